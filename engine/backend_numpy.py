@@ -1,0 +1,251 @@
+"""NumPy float32 backend: the reference every CUDA kernel is tested against, and the CPU engine.
+
+Each op is the plain math of the spec (§3-§7), written for clarity. The GPU backend
+(`backend_cuda.py`) implements the same methods with the same arguments. Ops infer head
+counts from array shapes, so they need no model config. The module-level helpers are the
+places the classic bugs of spec §13 live; the parity tests patch them to prove the gate bites.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .step import Step
+
+CHUNK = 64  # chunked delta rule tile (spec §4.7)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def rms(x, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def l2norm(x, eps=1e-6):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def expand_heads(x, r):
+    """[T, nk, d] -> [T, nk*r, d]: value head h reads q/k head h // r (spec §4.4)."""
+    return np.repeat(x, r, axis=1)
+
+
+def split_q_gate(qg, nh, hd):
+    """q_proj output is per-head [q_h | gate_h] (spec §5.1)."""
+    qg = qg.reshape(-1, nh, 2 * hd)
+    return qg[..., :hd], qg[..., hd:].reshape(-1, nh * hd)
+
+
+def gated_norm_weight(w):
+    """The GDN output norm uses the plain weight, not 1 + w (spec §4.8)."""
+    return w
+
+
+def rope(x, pos, rd, theta):
+    """NeoX half rotation of the first rd dims (spec §5.3). x [T, heads, hd], pos [T]."""
+    inv = 1.0 / theta ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
+    ang = pos.astype(np.float64)[:, None] * inv[None]
+    cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None].astype(np.float32)
+    sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None].astype(np.float32)
+    xr = x[..., :rd]
+    rot = np.concatenate([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
+    return np.concatenate([xr * cos + rot * sin, x[..., rd:]], -1)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, S):
+    """Token recurrence (spec §4.6). q, k [T, h, dk]; v [T, h, dv]; g, beta [T, h]; S [h, dk, dv]."""
+    o = np.empty(v.shape, np.float32)
+    for t in range(q.shape[0]):
+        S = S * np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]
+        S = S + np.einsum("hk,hv->hkv", k[t], delta)
+        o[t] = np.einsum("hkv,hk->hv", S, q[t])
+    return o, S
+
+
+def delta_rule_chunked(q, k, v, g, beta, S, chunk=CHUNK):
+    """WY/UT chunked form (spec §4.7), equal to the recurrence up to f32 rounding."""
+    T = q.shape[0]
+    pad = (-T) % chunk
+    if pad:  # zero padding (g = 0, beta = 0) leaves outputs and final state unchanged
+        q, k, v = (np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) for x in (q, k, v))
+        g, beta = (np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) for x in (g, beta))
+    # head-major [h, T, d]
+    q, k, v = (x.transpose(1, 0, 2) for x in (q, k, v))
+    g, beta = g.T, beta.T
+    eye = np.eye(chunk, dtype=np.float32)
+    incl = np.tril(np.ones((chunk, chunk), bool))
+    out = np.empty(v.shape, np.float32)
+    for c0 in range(0, q.shape[1], chunk):
+        sl = slice(c0, c0 + chunk)
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl, None]
+        gam = np.cumsum(g[:, sl], axis=1)                                   # [h, C]
+        D = np.exp(np.where(incl, gam[:, :, None] - gam[:, None, :], -np.inf))
+        kb = kc * bc
+        A = np.tril(kb @ kc.transpose(0, 2, 1) * D, -1)
+        U = np.linalg.solve(eye + A, vc * bc)
+        W = np.linalg.solve(eye + A, kb * np.exp(gam)[..., None])
+        v_new = U - W @ S
+        out[:, sl] = (qc * np.exp(gam)[..., None]) @ S + (qc @ kc.transpose(0, 2, 1) * D) @ v_new
+        last = gam[:, -1:]
+        S = np.exp(last)[..., None] * S + (kc * np.exp(last - gam)[..., None]).transpose(0, 2, 1) @ v_new
+    return out.transpose(1, 0, 2)[:T], S
+
+
+@dataclass
+class Cache:
+    """Per-sequence state of every layer: GDN conv and recurrent state by slot, paged KV."""
+    conv: list[np.ndarray]  # per GDN layer [slots, K-1, conv_dim]
+    rec: list[np.ndarray]   # per GDN layer [slots, nv, dk, dv], f32
+    k: list[np.ndarray]     # per attention layer [blocks, block_size, nkv, hd]
+    v: list[np.ndarray]
+    block_size: int
+
+
+@dataclass
+class Meta:
+    step: Step
+    slot_mapping: np.ndarray  # [T] flat KV row (block * block_size + offset) of each new token
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    # ---- weights and state -------------------------------------------------------------
+    def weight(self, arr: np.ndarray) -> np.ndarray:
+        """Checkpoint array (bf16 bits as uint16, or f32) -> compute array (f32 here)."""
+        if arr.dtype == np.uint16:
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        return np.ascontiguousarray(arr, np.float32)
+
+    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
+        nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
+        z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        return Cache(
+            conv=[z(num_slots, cfg.conv_kernel - 1, cfg.conv_dim) for _ in range(nlin)],
+            rec=[z(num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim) for _ in range(nlin)],
+            k=[z(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim) for _ in range(nfull)],
+            v=[z(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim) for _ in range(nfull)],
+            block_size=block_size)
+
+    def reset_slots(self, cache: Cache, slots) -> None:
+        for a in cache.conv + cache.rec:
+            a[list(slots)] = 0.0
+
+    def prepare(self, step: Step, cache: Cache) -> Meta:
+        bs = cache.block_size
+        seq = np.repeat(np.arange(step.num_seqs), np.diff(step.cu_seqlens))
+        blocks = step.block_tables[seq, step.positions // bs]
+        return Meta(step, (blocks * bs + step.positions % bs).astype(np.int64))
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x, np.float32)
+
+    # ---- ops ---------------------------------------------------------------------------
+    def embed(self, table, meta: Meta):
+        return table[meta.step.tokens]
+
+    def add_rms_norm(self, x, residual, w, eps):
+        """residual += x; return (RMSNorm1p(residual), residual). residual None: the first layer."""
+        residual = x if residual is None else residual + x
+        return rms(residual, eps) * (1.0 + w), residual
+
+    def linear(self, x, w):
+        return x @ w.T
+
+    def gather_rows(self, x, rows):
+        return x[rows]
+
+    def silu_mul(self, gate_up):
+        f = gate_up.shape[1] // 2
+        return silu(gate_up[:, :f]) * gate_up[:, f:]
+
+    def conv1d(self, x, w, state, meta: Meta):
+        """Causal depthwise conv (kernel K) + SiLU per sequence, continuing from and updating the
+        slot's state: the last K-1 pre-conv inputs (spec §4.2). x [T, C] (a column view), w [C, K]."""
+        K = w.shape[1]
+        out = np.empty(x.shape, np.float32)
+        cu = meta.step.cu_seqlens
+        for b, slot in enumerate(meta.step.slots):
+            xp = np.concatenate([state[slot], x[cu[b]:cu[b + 1]]])
+            n = cu[b + 1] - cu[b]
+            out[cu[b]:cu[b + 1]] = sum(xp[j:j + n] * w[:, j] for j in range(K))
+            state[slot] = xp[-(K - 1):]
+        return silu(out)
+
+    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
+        """Gating, head mapping, q/k L2 norm and the gated delta rule (spec §4.3-§4.7).
+        qkv [T, 2*nk*dk + nv*dv] conv output; a, b [T, nv]; state [slots, nv, dk, dv] updated in place.
+        Returns o [T, nv*dv]. Single-token sequences use the recurrence, longer ones the chunked form."""
+        nv, dk, dv = state.shape[1:]
+        nk = (qkv.shape[1] - nv * dv) // (2 * dk)
+        T = qkv.shape[0]
+        q = qkv[:, :nk * dk].reshape(T, nk, dk)
+        k = qkv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk)
+        v = qkv[:, 2 * nk * dk:].reshape(T, nv, dv)
+        q = l2norm(expand_heads(q, nv // nk)) * dk ** -0.5
+        k = l2norm(expand_heads(k, nv // nk))
+        beta = sigmoid(b)
+        g = -np.exp(A_log) * softplus(a + dt_bias)
+        o = np.empty((T, nv, dv), np.float32)
+        cu = meta.step.cu_seqlens
+        for i, slot in enumerate(meta.step.slots):
+            s = slice(cu[i], cu[i + 1])
+            rule = delta_rule_recurrent if cu[i + 1] - cu[i] == 1 else delta_rule_chunked
+            o[s], state[slot] = rule(q[s], k[s], v[s], g[s], beta[s], state[slot])
+        return o.reshape(T, nv * dv)
+
+    def gated_rms_norm(self, o, z, w, eps):
+        """Per value head over dv: w * rms(o) * silu(z) (plain w, spec §4.8)."""
+        dv = w.shape[0]
+        T = o.shape[0]
+        y = rms(o.reshape(T, -1, dv), eps) * gated_norm_weight(w) * silu(z.reshape(T, -1, dv))
+        return y.reshape(T, -1)
+
+    def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta: Meta, rotary_dim, theta, eps):
+        """q/gate split, QK RMSNorm1p, partial NeoX RoPE, K/V written into the paged cache.
+        Returns (q [T, nh, hd], gate [T, nh*hd])."""
+        hd = q_norm.shape[0]
+        T = q_gate.shape[0]
+        q, gate = split_q_gate(q_gate, q_gate.shape[1] // (2 * hd), hd)
+        q = rms(q, eps) * (1.0 + q_norm)
+        k = rms(k.reshape(T, -1, hd), eps) * (1.0 + k_norm)
+        pos = meta.step.positions
+        q, k = rope(q, pos, rotary_dim, theta), rope(k, pos, rotary_dim, theta)
+        nkv = k.shape[1]
+        k_cache.reshape(-1, nkv, hd)[meta.slot_mapping] = k
+        v_cache.reshape(-1, nkv, hd)[meta.slot_mapping] = v.reshape(T, nkv, hd)
+        return q, gate
+
+    def attention(self, q, gate, k_cache, v_cache, meta: Meta):
+        """Causal GQA attention over each sequence's paged KV, then the sigmoid output gate.
+        q [T, nh, hd]; returns [T, nh*hd]."""
+        T, nh, hd = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        st = meta.step
+        o = np.empty((T, nh, hd), np.float32)
+        for b in range(st.num_seqs):
+            n_ctx = int(st.seq_lens[b])
+            blocks = st.block_tables[b, :(n_ctx + bs - 1) // bs]
+            K = k_cache[blocks].reshape(-1, nkv, hd)[:n_ctx]
+            V = v_cache[blocks].reshape(-1, nkv, hd)[:n_ctx]
+            rows = slice(st.cu_seqlens[b], st.cu_seqlens[b + 1])
+            qb, pos = q[rows], st.positions[rows]
+            Kx, Vx = expand_heads(K, nh // nkv), expand_heads(V, nh // nkv)   # kv head = h // group
+            sc = np.einsum("thd,shd->hts", qb, Kx) * hd ** -0.5
+            sc = np.where(np.arange(n_ctx)[None, None] > pos[None, :, None], -np.inf, sc)
+            sc = np.exp(sc - sc.max(-1, keepdims=True))
+            sc /= sc.sum(-1, keepdims=True)
+            o[rows] = np.einsum("hts,shd->thd", sc, Vx)
+        return o.reshape(T, nh * hd) * sigmoid(gate)

@@ -1,0 +1,153 @@
+"""Random-weight checkpoints in the exact published Hugging Face layout (spec §1-§2).
+
+Presets: `tiny` and `tiny3` (every ratio of the real models at toy size; tiny3 has 3 GDN value
+heads per key head as 27B does, and ties lm_head as 4B does), and the real `4b`, `9b`, `27b` shapes.
+Big checkpoints are written shard by shard, so memory stays at one shard.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .weights import expected_shapes, f32_to_bf16
+
+_COMMON = dict(vocab_size=248320, conv_kernel=4, max_position_embeddings=262144)
+PRESETS = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=64,
+                 lin_num_k_heads=2, lin_num_v_heads=4, lin_k_dim=32, lin_v_dim=64, tie=False),
+    "tiny3": dict(hidden_size=128, intermediate_size=256, num_layers=8, num_heads=6, num_kv_heads=2, head_dim=64,
+                  lin_num_k_heads=2, lin_num_v_heads=6, lin_k_dim=32, lin_v_dim=32, tie=True),
+    "4b": dict(hidden_size=2560, intermediate_size=9216, num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256,
+               lin_num_k_heads=16, lin_num_v_heads=32, lin_k_dim=128, lin_v_dim=128, tie=True),
+    "9b": dict(hidden_size=4096, intermediate_size=12288, num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256,
+               lin_num_k_heads=16, lin_num_v_heads=32, lin_k_dim=128, lin_v_dim=128, tie=False),
+    "27b": dict(hidden_size=5120, intermediate_size=17408, num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256,
+                lin_num_k_heads=16, lin_num_v_heads=48, lin_k_dim=128, lin_v_dim=128, tie=False),
+}
+EOS_IDS = [248046, 248044]  # <|im_end|>, <|endoftext|>
+
+
+def config_json(preset: str) -> dict:
+    p = PRESETS[preset] | _COMMON
+    L = p["num_layers"]
+    rotary = int(p["head_dim"] * 0.25)
+    text = {
+        "model_type": "qwen3_5_text", "vocab_size": p["vocab_size"], "hidden_size": p["hidden_size"],
+        "intermediate_size": p["intermediate_size"], "num_hidden_layers": L,
+        "num_attention_heads": p["num_heads"], "num_key_value_heads": p["num_kv_heads"], "head_dim": p["head_dim"],
+        "linear_num_key_heads": p["lin_num_k_heads"], "linear_num_value_heads": p["lin_num_v_heads"],
+        "linear_key_head_dim": p["lin_k_dim"], "linear_value_head_dim": p["lin_v_dim"],
+        "linear_conv_kernel_dim": p["conv_kernel"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": p["max_position_embeddings"], "tie_word_embeddings": p["tie"],
+        "attention_bias": False, "attn_output_gate": True, "full_attention_interval": 4,
+        "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L)],
+        "partial_rotary_factor": 0.25, "mamba_ssm_dtype": "float32", "dtype": "bfloat16",
+        "eos_token_id": 248044, "mtp_num_hidden_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                            "mrope_section": _mrope_section(rotary // 2), "mrope_interleaved": True},
+    }
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+            "tie_word_embeddings": p["tie"], "image_token_id": 248056, "video_token_id": 248057,
+            "vision_start_token_id": 248053, "vision_end_token_id": 248054, "transformers_version": "5.17.0"}
+
+
+def _mrope_section(half: int) -> list[int]:
+    """Split rotary_dim/2 frequencies over (T, H, W) like the real [11, 11, 10] for 32."""
+    a = -(-half // 3)
+    return [a, a, half - 2 * a]
+
+
+def _init(rng, name: str, shape, cfg: ModelConfig) -> np.ndarray:
+    """Weights that keep bf16 activations finite through 64 layers and logits O(1), with
+    randomised norms, A_log, dt_bias and conv so every convention in the spec matters."""
+    n = int(np.prod(shape))
+    normal = lambda std: (rng.standard_normal(n, dtype=np.float32) * np.float32(std)).reshape(shape)  # noqa: E731
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if name.endswith("dt_bias"):  # softplus(dt_bias) log-uniform in [1e-3, 1e-1], as in Mamba
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    if name.endswith("linear_attn.norm.weight"):
+        return (1.0 + normal(0.1)).astype(np.float32)
+    if name.endswith("norm.weight"):  # zero-centred RMSNorm weights (used as 1 + w)
+        return normal(0.1)
+    if name.endswith("conv1d.weight"):
+        return normal(0.5)
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return normal(2.0 / np.sqrt(cfg.hidden_size))
+    fan_in = shape[1]
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+        return normal(1.0 / np.sqrt(fan_in * 2 * cfg.num_layers))
+    return normal(1.0 / np.sqrt(fan_in))
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, arr in tensors.items():
+        dtype = "BF16" if arr.dtype == np.uint16 else "F32"
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((-len(blob)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_bytes: int = 4 << 30) -> Path:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    from .vocab import write_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = config_json(preset)
+    cfg = ModelConfig.from_dict(raw)
+    shapes = expected_shapes(cfg)
+    f32 = lambda k: k.endswith(("A_log", "linear_attn.norm.weight"))  # noqa: E731
+    nbytes = {k: int(np.prod(s)) * (4 if f32(k) else 2) for k, s in shapes.items()}
+    shards, cur, size = [], [], 0
+    for k in shapes:
+        if cur and size + nbytes[k] > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += nbytes[k]
+    shards.append(cur)
+    rng = np.random.default_rng(seed)
+    full = lambda k: "lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k  # noqa: E731
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for k in names:
+            x = _init(rng, k, shapes[k], cfg)
+            tensors[full(k)] = x if f32(k) else f32_to_bf16(x)
+            weight_map[full(k)] = fname
+        _write_safetensors(out / fname, tensors)
+        del tensors
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 248044, "eos_token_id": EOS_IDS, "pad_token_id": 248044, "do_sample": True,
+         "temperature": 0.6, "top_p": 0.95, "top_k": 20, "transformers_version": "5.17.0"}, indent=2))
+    write_tokenizer(out)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="qwen35 make-model", description="write a random-weight Qwen3.5 checkpoint")
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-gb", type=float, default=4.0)
+    a = ap.parse_args(argv)
+    print(make_model(a.out_dir, a.preset, a.seed, int(a.shard_gb * (1 << 30))))

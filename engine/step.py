@@ -1,0 +1,44 @@
+"""What one forward step computes: the batch layout every backend and the model share.
+
+A step holds the new tokens of B sequences back to back (varlen, no padding). Sequences that
+decode one token come first, then prefills (whole prompts or chunks resuming at base_pos > 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Step:
+    tokens: np.ndarray        # [T] int32, new tokens of all sequences, concatenated
+    positions: np.ndarray     # [T] int32, absolute position of each new token
+    cu_seqlens: np.ndarray    # [B+1] int32, row offsets of each sequence's tokens
+    slots: np.ndarray         # [B] int32, recurrent/conv state slot of each sequence
+    block_tables: np.ndarray  # [B, max_blocks] int32, KV pages of each sequence
+    seq_lens: np.ndarray      # [B] int32, context length after this step (base_pos + new tokens)
+    logits_rows: np.ndarray   # [n] int32, rows whose logits are wanted (each sequence's last token)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots)
+
+    @classmethod
+    def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[bool] | None = None) -> "Step":
+        """chunks: per sequence (new token ids, base_pos, slot, block ids)."""
+        lens = [len(c[0]) for c in chunks]
+        cu = np.zeros(len(chunks) + 1, np.int32)
+        cu[1:] = np.cumsum(lens)
+        width = max([len(c[3]) for c in chunks] + [1])
+        tables = np.zeros((len(chunks), width), np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c[3])] = c[3]
+        sample = sample if sample is not None else [True] * len(chunks)
+        return cls(
+            tokens=np.array([t for c in chunks for t in c[0]], np.int32),
+            positions=np.concatenate([np.arange(c[1], c[1] + len(c[0])) for c in chunks]).astype(np.int32),
+            cu_seqlens=cu, slots=np.array([c[2] for c in chunks], np.int32), block_tables=tables,
+            seq_lens=np.array([c[1] + len(c[0]) for c in chunks], np.int32),
+            logits_rows=np.array([cu[i + 1] - 1 for i in range(len(chunks)) if sample[i]], np.int32),
+        )

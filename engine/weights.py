@@ -1,0 +1,133 @@
+"""Checkpoint weights: memory-mapped safetensors in the published Hugging Face layout.
+
+Tensors come back as NumPy arrays named as in the text model (`layers.3.self_attn.q_proj.weight`,
+`embed_tokens.weight`, ...). bf16 stays raw 16-bit bits (dtype uint16) until a backend converts it;
+F32 tensors (`A_log`, `linear_attn.norm.weight`) stay float32.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .config import LINEAR, ModelConfig
+
+# safetensors dtype -> NumPy dtype of the raw buffer (BF16 kept as bits)
+_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+_PREFIXES = ("model.language_model.", "model.")
+_IGNORED = ("model.visual.", "mtp.")
+F32_SUFFIXES = ("linear_attn.A_log", "linear_attn.norm.weight")
+
+
+class WeightError(ValueError):
+    """A missing, unexpected or mis-shaped tensor; the message names it."""
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-map one .safetensors file; returns views into the mapping."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise WeightError(f"{path.name}: tensor {name} has dtype {info['dtype']} (supported: BF16, F16, F32)")
+        lo, hi = info["data_offsets"]
+        out[name] = data[lo:hi].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every text tensor the model needs, with its [out, in] shape (spec §2)."""
+    H, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                   p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                   p + "mlp.down_proj.weight": (H, F)}
+        if kind == LINEAR:
+            nv = cfg.lin_num_v_heads
+            shapes |= {p + "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H),
+                       p + "linear_attn.in_proj_z.weight": (cfg.value_dim, H),
+                       p + "linear_attn.in_proj_b.weight": (nv, H), p + "linear_attn.in_proj_a.weight": (nv, H),
+                       p + "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
+                       p + "linear_attn.dt_bias": (nv,), p + "linear_attn.A_log": (nv,),
+                       p + "linear_attn.norm.weight": (cfg.lin_v_dim,),
+                       p + "linear_attn.out_proj.weight": (H, cfg.value_dim)}
+        else:
+            nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            shapes |= {p + "self_attn.q_proj.weight": (2 * nh * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
+                       p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return shapes
+
+
+def _files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise WeightError(f"{index.name} names shard(s) that do not exist: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{model_dir}: no *.safetensors files and no model.safetensors.index.json")
+    return files
+
+
+def _text_name(name: str) -> str | None:
+    """Checkpoint name -> text-model name; None for tensors we ignore (vision tower, MTP head)."""
+    if name.startswith(_IGNORED):
+        return None
+    if name == "lm_head.weight":
+        return name
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name  # unknown: reported as unexpected below
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    model_dir = Path(model_dir)
+    want = expected_shapes(cfg)
+    found: dict[str, np.ndarray] = {}
+    for path in _files(model_dir):
+        for name, arr in read_safetensors(path).items():
+            key = _text_name(name)
+            if key is None or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue  # a stored copy of a tied lm_head is the embedding again
+            if key not in want:
+                raise WeightError(f"unexpected tensor {name} (shape {list(arr.shape)}) in {path.name}")
+            if tuple(arr.shape) != want[key]:
+                raise WeightError(f"tensor {name}: expected shape {list(want[key])}, found {list(arr.shape)}")
+            if arr.dtype == np.float16:
+                arr = arr.astype(np.float32)
+            if key.endswith(F32_SUFFIXES) and arr.dtype == np.uint16:
+                arr = bf16_to_f32(arr)  # Qwen3.6-style bf16 copies of the f32 tensors
+            found[key] = arr
+    missing = [k for k in want if k not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightError(f"missing tensor {missing[0]} (expected shape {list(want[missing[0]])}){more}")
+    if cfg.tie_word_embeddings:
+        found["lm_head.weight"] = found["embed_tokens.weight"]
+    return found
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as torch does; returns the raw bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
