@@ -36,8 +36,8 @@ def l2norm(x, eps=1e-6):
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
 
 
-def expand_heads(x, r):
-    """[T, nk, d] -> [T, nk*r, d]: value head h reads q/k head h // r (spec §4.4)."""
+def gdn_qk_heads(x, r):
+    """[T, nk, d] -> [T, nk*r, d]: GDN value head h reads q/k head h // r (spec §4.4)."""
     return np.repeat(x, r, axis=1)
 
 
@@ -194,8 +194,8 @@ class NumpyBackend:
         q = qkv[:, :nk * dk].reshape(T, nk, dk)
         k = qkv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk)
         v = qkv[:, 2 * nk * dk:].reshape(T, nv, dv)
-        q = l2norm(expand_heads(q, nv // nk)) * dk ** -0.5
-        k = l2norm(expand_heads(k, nv // nk))
+        q = l2norm(gdn_qk_heads(q, nv // nk)) * dk ** -0.5
+        k = l2norm(gdn_qk_heads(k, nv // nk))
         beta = sigmoid(b)
         g = -np.exp(A_log) * softplus(a + dt_bias)
         o = np.empty((T, nv, dv), np.float32)
@@ -242,7 +242,7 @@ class NumpyBackend:
             V = v_cache[blocks].reshape(-1, nkv, hd)[:n_ctx]
             rows = slice(st.cu_seqlens[b], st.cu_seqlens[b + 1])
             qb, pos = q[rows], st.positions[rows]
-            Kx, Vx = expand_heads(K, nh // nkv), expand_heads(V, nh // nkv)   # kv head = h // group
+            Kx, Vx = np.repeat(K, nh // nkv, axis=1), np.repeat(V, nh // nkv, axis=1)  # kv head = h // group
             sc = np.einsum("thd,shd->hts", qb, Kx) * hd ** -0.5
             sc = np.where(np.arange(n_ctx)[None, None] > pos[None, :, None], -np.inf, sc)
             sc = np.exp(sc - sc.max(-1, keepdims=True))

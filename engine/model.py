@@ -44,9 +44,7 @@ class Qwen35Model:
     def forward(self, step: Step, cache):
         """Runs the step's tokens through every layer, updating the cache; returns the logits
         of step.logits_rows only (the final norm and lm_head run on those rows alone)."""
-        ops, cfg = self.ops, self.cfg
-        meta = ops.prepare(step, cache)
-        return self.forward_meta(meta, cache)
+        return self.forward_meta(self.ops.prepare(step, cache), cache)
 
     def forward_meta(self, meta, cache):
         ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps

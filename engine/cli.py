@@ -1,0 +1,66 @@
+"""The `qwen35` command: serve, generate, make-model."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the built-in tiny demo)")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-waiting-requests", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    keys = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+            "gpu_memory_utilization")
+    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+
+
+def model_dir(a: argparse.Namespace) -> str:
+    if a.model:
+        return a.model
+    from .demo import demo_model_dir
+    return str(demo_model_dir())
+
+
+def _generate(a: argparse.Namespace) -> None:
+    from . import LLM, SamplingParams
+
+    llm = LLM(model_dir(a), **engine_kwargs(a))
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
+                            seed=a.seed)
+    t0 = time.perf_counter()
+    out = llm.generate([a.prompt], params)[0]
+    dt = time.perf_counter() - t0
+    print(out.text)
+    print(f"[{len(out.token_ids)} tokens in {dt:.2f} s, finish_reason={out.finish_reason}]", file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="qwen35", description="a small serving engine for the dense Qwen3.5 models")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt, no server")
+    g.add_argument("prompt")
+    _add_engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    sub.add_parser("make-model", help="write a random-weight checkpoint", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["make-model"]:
+        from .checkpoint import main as make_main
+        return make_main(argv[1:])
+    a = ap.parse_args(argv)
+    if a.cmd == "generate":
+        _generate(a)
+
+
+if __name__ == "__main__":
+    main()
