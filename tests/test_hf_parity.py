@@ -111,3 +111,10 @@ def test_gate_catches_classic_bug(ref, monkeypatch, name, bug):
     monkeypatch.setattr(bn, name, bug)
     ours, pos = ref.run(ids, 70)
     assert rel_err(ours, hf[pos]) > 100 * BOUND, f"the gate misses the {name} bug"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_hf_loads_checkpoint_without_missing_or_unexpected(request, preset):
+    d = request.getfixturevalue(f"{preset}_dir")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
