@@ -1,0 +1,316 @@
+"""CUDA backend on CuPy: the NumpyBackend op interface, with hand-written kernels (`cuda/*.cu`, NVRTC
+through cupy.RawModule, cached on disk by CuPy) and cublasLt GEMMs (`engine/gemm.py`).
+
+Conventions
+- bf16 is stored as raw bits in uint16 arrays (CuPy has no bf16 dtype). Activations are bf16 between
+  ops; kernels accumulate in f32; the GDN recurrent state is f32.
+- `weight()`: 2-D bf16 matrices stay bf16; f32 stays f32; 1-D vectors (norm weights, dt_bias, A_log)
+  become f32, which is exact for bf16 and lets every small-vector kernel read f32.
+- Fused projection outputs arrive as column views (`proj[:, :c]`): kernels take the view's data
+  pointer and its row stride (strides[0] / 2); the column stride must be 1 element.
+- Cache layouts are the NumPy backend's: conv state bf16 [slots, K-1, conv_dim] (each of the K-1 rows
+  contiguous over channels, so conv reads/writes coalesce), recurrent state f32 [slots, nv, dk, dv]
+  (HF/FLA layout; a block owns a [dk, 32] column tile, 128-byte rows per warp), paged KV bf16
+  [blocks, block_size, nkv, hd] (each token-head row of hd contiguous: 512 B at hd 256, one 16-byte
+  load per lane), addressed as flat rows by slot_mapping = block * block_size + offset.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+from .backend_numpy import Cache
+from .gemm import gemm
+from .step import Step
+
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def _source(name: str) -> str:
+    """A .cu file with `#include "common.cuh"` inlined, so CuPy's cache key covers the header too."""
+    text = (CUDA_DIR / name).read_text()
+    return re.sub(r'#include\s+"(\w+\.cuh)"', lambda m: (CUDA_DIR / m.group(1)).read_text(), text)
+
+
+_MODULES: dict[str, cupy.RawModule] = {}
+
+
+def _module(name: str, name_expressions=()) -> cupy.RawModule:
+    mod = _MODULES.get(name)
+    if mod is None:
+        mod = cupy.RawModule(code=_source(name), options=NVRTC_OPTIONS, name_expressions=list(name_expressions) or None)
+        _MODULES[name] = mod
+    return mod
+
+
+LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
+GDN_DK = (32, 64, 128)
+ATTN_HD = (64, 128, 256)
+ATTN_G = (1, 2, 3, 4, 6, 8)
+
+
+def _fn(file: str, name: str):
+    if file == "gdn.cu":
+        mod = _module(file, [f"gdn_recurrent<{d}>" for d in GDN_DK])
+    elif file == "attention.cu":
+        mod = _module(file, [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G])
+    else:
+        mod = _module(file)
+    return mod.get_function(name)
+
+
+i32, i64, f32 = np.int32, np.int64, np.float32
+
+
+def _rs(x: cupy.ndarray) -> np.int64:
+    """Row stride in elements of a 2-D (or row-major N-D) view whose last dim is contiguous."""
+    assert x.strides[-1] == x.itemsize, f"column stride {x.strides} not supported"
+    return i64(x.strides[0] // x.itemsize)
+
+
+@dataclass
+class Meta:
+    step: Step
+    T: int
+    B: int
+    max_ctx: int
+    tokens: cupy.ndarray
+    positions: cupy.ndarray
+    cu_seqlens: cupy.ndarray
+    slots: cupy.ndarray
+    seq_lens: cupy.ndarray
+    slot_mapping: cupy.ndarray
+    tok_seq: cupy.ndarray
+    logits_rows: cupy.ndarray
+    block_tables: cupy.ndarray  # [B, width]
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, poison: bool = False):
+        self.poison = poison  # tests: fill every fresh output with NaN so unwritten elements show
+        self._inv_freq: dict[tuple, cupy.ndarray] = {}
+        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def _empty(self, shape, dtype=cupy.uint16):
+        a = cupy.empty(shape, dtype)
+        if self.poison:
+            if dtype == cupy.uint16:
+                a.fill(0xFFFF)  # bf16 NaN
+            else:
+                a.fill(np.nan)
+        return a
+
+    # ---- weights and state -------------------------------------------------------------
+    def weight(self, arr: np.ndarray) -> cupy.ndarray:
+        arr = np.ascontiguousarray(arr)
+        if arr.ndim == 1:
+            if arr.dtype == np.uint16:
+                arr = (arr.astype(np.uint32) << 16).view(np.float32)
+            return cupy.asarray(arr, dtype=cupy.float32)
+        if arr.dtype == np.uint16:
+            return cupy.asarray(arr)
+        return cupy.asarray(arr, dtype=cupy.float32)
+
+    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
+        nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
+        return Cache(
+            conv=[cupy.zeros((num_slots, cfg.conv_kernel - 1, cfg.conv_dim), cupy.uint16) for _ in range(nlin)],
+            rec=[cupy.zeros((num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), cupy.float32)
+                 for _ in range(nlin)],
+            k=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
+            v=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
+            block_size=block_size)
+
+    def reset_slots(self, cache: Cache, slots) -> None:
+        idx = cupy.asarray(np.asarray(list(slots), np.int64))
+        for a in cache.conv + cache.rec:
+            a[idx] = 0
+
+    def prepare(self, step: Step, cache: Cache) -> Meta:
+        """Uploads the step's metadata in one host-to-device copy (views into one int32 buffer)."""
+        bs = cache.block_size
+        B = step.num_seqs
+        T = int(step.cu_seqlens[-1])
+        seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(step.cu_seqlens))
+        blocks = step.block_tables[seq, step.positions // bs]
+        slot_mapping = (blocks.astype(np.int64) * bs + step.positions % bs)
+        assert slot_mapping.max(initial=0) < 2 ** 31
+        bt = np.ascontiguousarray(step.block_tables, np.int32)
+        parts = [step.tokens, step.positions, step.cu_seqlens, step.slots, step.seq_lens, slot_mapping, seq,
+                 step.logits_rows, bt.reshape(-1)]
+        parts = [np.asarray(p, np.int32).reshape(-1) for p in parts]
+        dev = cupy.asarray(np.concatenate(parts))
+        views, o = [], 0
+        for p in parts:
+            views.append(dev[o:o + p.size])
+            o += p.size
+        views[-1] = views[-1].reshape(bt.shape)
+        return Meta(step, T, B, int(step.seq_lens.max(initial=0)), *views)
+
+    def to_host(self, x) -> np.ndarray:
+        if isinstance(x, cupy.ndarray):
+            if x.dtype == cupy.uint16:
+                h = cupy.asnumpy(cupy.ascontiguousarray(x))
+                return (h.astype(np.uint32) << 16).view(np.float32)
+            return cupy.asnumpy(x).astype(np.float32, copy=False)
+        return np.asarray(x, np.float32)
+
+    # ---- ops ---------------------------------------------------------------------------
+    def _gather(self, table: cupy.ndarray, idx: cupy.ndarray) -> cupy.ndarray:
+        n, H = idx.size, table.shape[1]
+        assert H % 8 == 0 and table.flags.c_contiguous
+        out = self._empty((n, H))
+        if n:
+            _fn("embedding.cu", "gather_rows_kernel")((n,), (min(256, max(32, H // 8)),), (idx, table, out, i32(H)))
+        return out
+
+    def embed(self, table, meta: Meta):
+        return self._gather(table, meta.tokens)
+
+    def gather_rows(self, x, rows):
+        if isinstance(rows, np.ndarray):
+            rows = cupy.asarray(rows.astype(np.int32))
+        x = cupy.ascontiguousarray(x)
+        return self._gather(x, rows.astype(cupy.int32, copy=False))
+
+    def add_rms_norm(self, x, residual, w, eps):
+        """residual += x (in place, bf16); returns (RMSNorm1p(residual), residual). None: first layer."""
+        x = cupy.ascontiguousarray(x)
+        T, H = x.shape
+        assert H % 8 == 0
+        y = self._empty((T, H))
+        has_res = residual is not None
+        if has_res:
+            assert residual.flags.c_contiguous and residual.shape == x.shape
+        res = residual if has_res else x
+        if T:
+            _fn("norm.cu", "add_rms_norm_kernel")((T,), (min(256, max(32, ((H // 8 + 31) // 32) * 32)),),
+                                                  (x, res, y, w, i32(H), f32(eps), i32(has_res)))
+        return y, res
+
+    def linear(self, x, w):
+        """bf16 out, except f32 for the lm_head (the only weight with >= LOGITS_ROWS rows): logits of
+        magnitude ~10 would lose up to 0.03 nat to bf16 rounding."""
+        return gemm(x, w, f32_out=w.shape[0] >= LOGITS_ROWS)
+
+    def silu_mul(self, gate_up):
+        T, F2 = gate_up.shape
+        F = F2 // 2
+        assert F % 8 == 0
+        sgu = _rs(gate_up)
+        assert sgu % 8 == 0
+        out = self._empty((T, F))
+        n = T * (F // 8)
+        if n:
+            grid = min((n + 255) // 256, self.num_sms * 16)
+            _fn("activation.cu", "silu_mul_kernel")((grid,), (256,), (gate_up, sgu, out, i32(T), i32(F)))
+        return out
+
+    def conv1d(self, x, w, state, meta: Meta):
+        """x [T, C] (column view), w bf16 [C, K], state bf16 [slots, K-1, C] updated in place."""
+        T, C = x.shape
+        K = w.shape[1]
+        assert K <= 8 and w.dtype == cupy.uint16 and state.dtype == cupy.uint16
+        out = self._empty((T, C))
+        if T:
+            sx = _rs(x)
+            gx = (C + 255) // 256
+            _fn("conv1d.cu", "conv1d_fwd")((gx, T), (256,), (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens,
+                                                               meta.slots, i32(C), i32(K)))
+            _fn("conv1d.cu", "conv1d_state_update")((gx, meta.B), (256,), (x, sx, state, meta.cu_seqlens, meta.slots,
+                                                                            i32(C), i32(K)))
+        return out
+
+    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
+        """Token-recurrent gated delta rule for every sequence (decode and prefill alike)."""
+        nv, dk, dv = state.shape[1:]
+        nk = (qkv.shape[1] - nv * dv) // (2 * dk)
+        T = qkv.shape[0]
+        assert dk in GDN_DK and dv % 32 == 0 and nv % nk == 0 and state.dtype == cupy.float32
+        assert A_log.dtype == cupy.float32 and dt_bias.dtype == cupy.float32
+        out = self._empty((T, nv * dv))
+        if T:
+            _fn("gdn.cu", f"gdn_recurrent<{dk}>")(
+                (dv // 32, nv, meta.B), (128,),
+                (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots, out,
+                 i32(nk), i32(nv), i32(dv)))
+        return out
+
+    def gated_rms_norm(self, o, z, w, eps):
+        dv = w.shape[0]
+        o = cupy.ascontiguousarray(o)
+        T, W = o.shape
+        nh = W // dv
+        assert dv <= 256 and w.dtype == cupy.float32
+        y = self._empty((T, W))
+        rows = T * nh
+        if rows:
+            _fn("norm.cu", "gated_rms_norm_kernel")(((rows + 3) // 4,), (128,),
+                                                    (o, z, _rs(z), y, w, i32(rows), i32(nh), i32(dv), f32(eps)))
+        return y
+
+    def _freqs(self, rd, theta):
+        key = (rd, float(theta))
+        if key not in self._inv_freq:  # as HF computes it: f32 of 1 / theta ** (arange(0, rd, 2) / rd)
+            inv = (1.0 / (theta ** (np.arange(0, rd, 2, dtype=np.int64).astype(np.float32) / rd))).astype(np.float32)
+            self._inv_freq[key] = cupy.asarray(inv)
+        return self._inv_freq[key]
+
+    def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta: Meta, rotary_dim, theta, eps):
+        """Returns (q [T, nh, hd] contiguous, gate: a [T, nh, hd] strided view into q_gate, no copy)."""
+        hd = q_norm.shape[0]
+        T = q_gate.shape[0]
+        nh = q_gate.shape[1] // (2 * hd)
+        nkv = k_cache.shape[2]
+        q = self._empty((T, nh, hd))
+        sqg = _rs(q_gate)
+        gate = cupy.ndarray((T, nh, hd), cupy.uint16, q_gate.data + hd * 2,
+                            strides=(int(sqg) * 2, 2 * hd * 2, 2))
+        if T:
+            _fn("attention.cu", "attn_prep")(
+                (T,), (128,),
+                (q_gate, sqg, k, _rs(k), v, _rs(v), q_norm, k_norm, q, k_cache, v_cache, meta.slot_mapping,
+                 meta.positions, self._freqs(rotary_dim, theta), i32(nh), i32(nkv), i32(hd), i32(rotary_dim),
+                 f32(eps)), shared_mem=4 * hd * 4)
+        return q, gate
+
+    def attention(self, q, gate, k_cache, v_cache, meta: Meta):
+        T, nh, hd = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        G = nh // nkv
+        assert hd in ATTN_HD and G in ATTN_G and q.flags.c_contiguous
+        if gate.ndim == 2:
+            gate = gate.reshape(T, nh, hd)
+        sg_t, sg_h = gate.strides[0] // 2, gate.strides[1] // 2
+        assert gate.strides[2] == 2
+        out = self._empty((T, nh * hd))
+        if not T:
+            return out
+        base = T * nkv
+        target = 2 * self.num_sms
+        nsplit = 1
+        if base < target:
+            nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // 64)))
+        chunk = -(-meta.max_ctx // nsplit)
+        if nsplit > 1:
+            part_acc = cupy.empty((T, nh, nsplit, hd), cupy.float32)
+            part_ml = cupy.empty((T, nh, nsplit, 2), cupy.float32)
+        else:
+            part_acc = part_ml = out  # unused
+        bt = meta.block_tables
+        _fn("attention.cu", f"attn_fwd<{hd}, {G}>")(
+            (nsplit, nkv, T), (128,),
+            (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, meta.positions,
+             i32(nkv), i32(bs), i32(chunk), f32(hd ** -0.5), out, part_acc, part_ml))
+        if nsplit > 1:
+            _fn("attention.cu", "attn_combine")((T * nh,), (128,),
+                                                (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
+                                                 i32(nsplit)))
+        return out
