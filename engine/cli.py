@@ -42,6 +42,15 @@ def _generate(a: argparse.Namespace) -> None:
     print(f"[{len(out.token_ids)} tokens in {dt:.2f} s, finish_reason={out.finish_reason}]", file=sys.stderr)
 
 
+def _serve(a: argparse.Namespace) -> None:
+    import logging
+    from server.launch import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    serve(model_dir(a), host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+          engine_args=engine_kwargs(a), log_level=a.uvicorn_log_level)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="qwen35", description="a small serving engine for the dense Qwen3.5 models")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -52,6 +61,13 @@ def main(argv=None) -> None:
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (vLLM flag names)")
+    _add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model path)")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    s.add_argument("--uvicorn-log-level", default="info")
     sub.add_parser("make-model", help="write a random-weight checkpoint", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-model"]:
@@ -60,6 +76,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.cmd == "generate":
         _generate(a)
+    elif a.cmd == "serve":
+        _serve(a)
 
 
 if __name__ == "__main__":

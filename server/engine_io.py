@@ -1,0 +1,50 @@
+"""The server's only contact with the engine: submit, abort, liveness and stats, with engine
+exceptions mapped to HTTP errors (raised before any response header)."""
+from __future__ import annotations
+
+from engine.engine import EngineDeadError, OverloadedError
+from engine.sampling_params import SamplingParams
+
+from .errors import APIError
+
+RETRY_AFTER_S = "1"
+
+
+def add(engine, request_id: str, prompt_ids: list[int], params: dict):
+    """Validates and queues one engine request; returns its async iterator of RequestOutput."""
+    try:
+        return engine.add_request(prompt_ids, SamplingParams(**params), request_id=request_id)
+    except OverloadedError as e:
+        raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    except ValueError as e:  # bad parameters, or a request that can never fit (AdmissionError)
+        raise APIError(400, str(e)) from None
+
+
+def abort(engine, request_id: str) -> None:
+    engine.abort(request_id)  # only enqueues: never blocks the event loop
+
+
+def alive(engine) -> bool:
+    return engine.is_alive()
+
+
+def gauges(engine) -> dict[str, tuple[str, float]]:
+    s = engine.stats()
+    return {
+        "vllm:num_requests_running": ("Requests in model execution batches.", s.running),
+        "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", s.waiting),
+        "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).",
+                                     s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
+        "qwen35:kv_blocks_free": ("Free KV cache blocks.", s.kv_blocks_free),
+        "qwen35:kv_blocks_total": ("KV cache blocks usable by requests.", s.kv_blocks_total),
+        "qwen35:state_slots_free": ("Free GDN state slots.", s.state_slots_free),
+        "qwen35:state_slots_total": ("GDN state slots usable by requests.", s.state_slots_total),
+    }
+
+
+def counters(engine) -> dict:
+    s = engine.stats()
+    return {"prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
+            "preemptions": s.num_preemptions, "finished": dict(s.finished)}

@@ -1,0 +1,254 @@
+"""Running a validated request on the engine and shaping the OpenAI responses.
+
+A request fans out into one engine request per (prompt, sample); their per-step outputs are
+merged into one stream of (choice, Delta). Whatever ends the handler (completion, client
+disconnect, error) the finally clause aborts every engine request still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from .choice import ChoiceState, Delta
+from .errors import APIError
+from .protocol import GenRequest
+from . import engine_io, sse
+
+
+@dataclass(eq=False)  # hashed by identity (ServerContext.jobs)
+class Job:
+    """The engine requests of one HTTP request, with their choices."""
+    rid: str
+    g: GenRequest
+    prompts: list[list[int]]      # token ids per prompt
+    prompt_texts: list[str]       # for echo
+    choices: list[ChoiceState] = field(default_factory=list)
+    streams: list = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        p, c = self.prompt_tokens, self.completion_tokens
+        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+
+
+def submit(ctx, job: Job, thinking: bool | None) -> None:
+    """Admit every engine request now (before any header), or none of them."""
+    g = job.g
+    ctx.jobs.add(job)
+    try:
+        for j, ids in enumerate(job.prompts):
+            for i in range(g.n):
+                idx = j * g.n + i
+                params = dict(g.params, max_tokens=g.max_tokens, logprobs=g.logprobs)
+                if params.get("seed") is not None and g.n > 1:
+                    params["seed"] += i  # as vLLM's parallel sampling: distinct but reproducible samples
+                job.choices.append(ChoiceState(idx, ctx.tokenizer, thinking))
+                job.streams.append(engine_io.add(ctx.engine, f"{job.rid}-{idx}", ids, params))
+    except BaseException:
+        abort_all(ctx, job)
+        raise
+
+
+def abort_all(ctx, job: Job) -> None:
+    ctx.jobs.discard(job)
+    for c in job.choices:
+        if not c.finished:
+            c.finished = True
+            engine_io.abort(ctx.engine, f"{job.rid}-{c.index}")
+
+
+def abort_running(ctx) -> None:
+    """Shutdown: end every running request; each stream still sends its "abort" finish."""
+    for job in list(ctx.jobs):
+        for c in job.choices:
+            if not c.finished:
+                engine_io.abort(ctx.engine, f"{job.rid}-{c.index}")
+
+
+async def steps(ctx, job: Job):
+    """Yields (choice, Delta) per engine step per choice, in arrival order; one per step that
+    produced a token (empty-text deltas included)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((k, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((k, e))
+        await queue.put((k, None))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(job.streams)]
+    last = [None] * len(job.choices)
+    try:
+        live = len(tasks)
+        while live:
+            k, out = await queue.get()
+            if out is None:
+                live -= 1
+                continue
+            if isinstance(out, Exception):
+                raise out
+            c = job.choices[k]
+            if c.finished:
+                continue
+            if out.finish_reason == "error":
+                c.finished = True
+                raise APIError(500, f"engine error: {out.error}")
+            if not out.new_token_ids and not out.new_text and not out.finished:
+                continue  # chunked prefill step: nothing to send
+            d = c.update(out)
+            _observe(ctx, job, k, last, len(out.new_token_ids), d)
+            yield c, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        abort_all(ctx, job)
+
+
+def _observe(ctx, job: Job, k: int, last: list, n_new: int, d: Delta) -> None:
+    now, m = time.monotonic(), ctx.metrics
+    if n_new:
+        (m.ttft if last[k] is None else m.itl).observe(now - (job.arrival if last[k] is None else last[k]))
+        last[k] = now
+    if d.finish_reason is not None:
+        m.e2e.observe(now - job.arrival)
+
+
+# --- completions -------------------------------------------------------------------------------
+
+
+def _completion_logprobs(c: ChoiceState, d: Delta, as_ids: bool, offset: int) -> dict:
+    toks, lps, tops, offs = [], [], [], []
+    for tid, lp, top in d.logprobs:
+        s = c.token_str(tid, as_ids)
+        toks.append(s)
+        lps.append(lp)
+        tops.append({c.token_str(t, as_ids): v for t, v in top})
+        offs.append(offset)
+        offset += len(s)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def _echo_prefix(job: Job, c: ChoiceState) -> str:
+    return job.prompt_texts[c.index // job.g.n] if job.g.echo else ""
+
+
+async def completion_json(ctx, job: Job) -> dict:
+    texts = {c.index: _echo_prefix(job, c) for c in job.choices}
+    lps: dict[int, dict] = {}
+    ends: dict[int, tuple] = {}
+    async for c, d in steps(ctx, job):
+        if job.g.logprobs is not None:
+            part = _completion_logprobs(c, d, job.g.tokens_as_ids, len(texts[c.index]))
+            acc = lps.setdefault(c.index, {k: [] for k in part})
+            for k, v in part.items():
+                acc[k] += v
+        texts[c.index] += d.text
+        if d.finish_reason is not None:
+            ends[c.index] = (d.finish_reason, d.stop_reason)
+    choices = [{"index": i, "text": texts[i], "logprobs": lps.get(i) if job.g.logprobs is not None else None,
+                "finish_reason": ends.get(i, ("abort", None))[0], "stop_reason": ends.get(i, (None, None))[1]}
+               for i in sorted(texts)]
+    return {"id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name,
+            "choices": choices, "usage": job.usage()}
+
+
+async def completion_stream(ctx, job: Job):
+    head = {"id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name}
+    sent = {c.index: 0 for c in job.choices}   # characters sent, for text_offset
+    first = set()
+    try:
+        async for c, d in steps(ctx, job):
+            text = d.text
+            if c.index not in first:
+                first.add(c.index)
+                text = _echo_prefix(job, c) + text
+            lp = (_completion_logprobs(c, d, job.g.tokens_as_ids, sent[c.index])
+                  if job.g.logprobs is not None else None)
+            sent[c.index] += len(text)
+            chunk = dict(head, choices=[{"index": c.index, "text": text, "logprobs": lp,
+                                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+            yield sse.event(_with_usage(chunk, job))
+        if job.g.include_usage:
+            yield sse.event(dict(head, choices=[], usage=job.usage()))
+    except APIError as e:
+        yield sse.event({"error": e.body()["error"]})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in band
+        yield sse.event(APIError(500, f"internal error: {e}").body())
+    yield sse.DONE
+
+
+def _with_usage(chunk: dict, job: Job) -> dict:
+    if job.g.include_usage:
+        chunk["usage"] = job.usage() if job.g.continuous_usage else None
+    return chunk
+
+
+# --- chat --------------------------------------------------------------------------------------
+
+
+def _chat_logprobs(c: ChoiceState, d: Delta, as_ids: bool) -> list[dict]:
+    def entry(tid, lp):
+        s = c.token_str(tid, as_ids)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    return [dict(entry(tid, lp), top_logprobs=[entry(t, v) for t, v in top]) for tid, lp, top in d.logprobs]
+
+
+async def chat_json(ctx, job: Job) -> dict:
+    acc = {c.index: {"content": "", "reasoning": "", "logprobs": [], "end": ("abort", None)} for c in job.choices}
+    async for c, d in steps(ctx, job):
+        a = acc[c.index]
+        a["content"] += d.text
+        a["reasoning"] += d.reasoning
+        if job.g.logprobs is not None:
+            a["logprobs"] += _chat_logprobs(c, d, job.g.tokens_as_ids)
+        if d.finish_reason is not None:
+            a["end"] = (d.finish_reason, d.stop_reason)
+    choices = [{"index": i, "message": {"role": "assistant", "content": a["content"],
+                                        "reasoning_content": a["reasoning"] or None, "tool_calls": []},
+                "logprobs": {"content": a["logprobs"]} if job.g.logprobs is not None else None,
+                "finish_reason": a["end"][0], "stop_reason": a["end"][1]} for i, a in sorted(acc.items())]
+    return {"id": job.rid, "object": "chat.completion", "created": job.created, "model": ctx.model_name,
+            "choices": choices, "usage": job.usage()}
+
+
+async def chat_stream(ctx, job: Job):
+    head = {"id": job.rid, "object": "chat.completion.chunk", "created": job.created, "model": ctx.model_name}
+    started = set()
+    try:
+        async for c, d in steps(ctx, job):
+            if c.index not in started:
+                # The role chunk goes out with the first token, never at receipt (client TTFT).
+                started.add(c.index)
+                role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield sse.event(_with_usage(dict(head, choices=[role]), job))
+            delta = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if d.text or not d.reasoning:
+                delta["content"] = d.text
+            choice = {"index": c.index, "delta": delta,
+                      "logprobs": {"content": _chat_logprobs(c, d, job.g.tokens_as_ids)}
+                      if job.g.logprobs is not None else None, "finish_reason": d.finish_reason}
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            yield sse.event(_with_usage(dict(head, choices=[choice]), job))
+        if job.g.include_usage:
+            yield sse.event(dict(head, choices=[], usage=job.usage()))
+    except APIError as e:
+        yield sse.event({"error": e.body()["error"]})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in band
+        yield sse.event(APIError(500, f"internal error: {e}").body())
+    yield sse.DONE

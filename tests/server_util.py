@@ -1,0 +1,95 @@
+"""Test helpers for the HTTP server: a real `qwen35 serve` subprocess and an SSE parser."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m engine.cli serve` on 127.0.0.1; the context exits with SIGINT and checks a clean exit."""
+
+    def __init__(self, model_dir, *args: str, name: str = "tiny", ready_timeout: float = 120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--device", "cpu", "--served-model-name", name,
+                    "--uvicorn-log-level", "warning", *args]
+        self.ready_timeout = ready_timeout
+        self.returncode = None
+
+    def __enter__(self) -> "ServerProcess":
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read().decode()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError("server did not become ready")
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def output(self) -> str:
+        return self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def sse_events(raw: bytes | str) -> list:
+    """Splits an SSE body into its JSON payloads ("[DONE]" kept as the string); checks the byte
+    format on the way: every event is exactly `data: <compact single-line JSON>`."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    assert text.endswith("\n\n"), repr(text[-40:])
+    out = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, repr(block[:80])
+        payload = block[len("data: "):]
+        if payload == "[DONE]":
+            out.append(payload)
+            continue
+        obj = json.loads(payload)
+        assert payload == json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        out.append(obj)
+    assert out and out[-1] == "[DONE]" and out.count("[DONE]") == 1
+    return out
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text (labels given must match)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
