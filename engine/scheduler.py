@@ -1,0 +1,97 @@
+"""Continuous-batching scheduler: pure Python over Request objects, never touches arrays.
+
+Admission reserves a request's whole lifetime (prompt + max_tokens) of KV blocks plus one state
+slot, so a running request can never run out of cache and nothing is ever preempted. Waiting
+requests are admitted strictly FCFS: the head waits until it fits, later ones wait behind it
+(so a big request is never starved by a stream of small ones).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from .kv_blocks import KVBlockManager
+from .request import Request, Status
+from .state_slots import StateSlotPool
+
+
+class AdmissionError(ValueError):
+    """The request can never run (too long for the model or for the whole KV pool)."""
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full; retry later (HTTP 503)."""
+
+
+class Scheduler:
+    def __init__(self, kv: KVBlockManager, slots: StateSlotPool, *, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_waiting_requests: int):
+        self.kv, self.slots = kv, slots
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.max_num_batched_tokens, self.max_waiting_requests = max_num_batched_tokens, max_waiting_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raises AdmissionError for a request that could never be admitted."""
+        total = prompt_tokens + max_tokens
+        if prompt_tokens < 1:
+            raise AdmissionError("the prompt is empty")
+        if total > self.max_model_len:
+            raise AdmissionError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                 f"requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} max tokens).")
+        cap = self.kv.capacity * self.kv.block_size
+        if total > cap:
+            raise AdmissionError(f"request needs {total} tokens of KV cache ({prompt_tokens} in the prompt, "
+                                 f"{max_tokens} max tokens) but the whole KV pool holds {cap} tokens")
+
+    def add(self, req: Request) -> None:
+        self.check_fits(len(req.prompt_ids), req.max_tokens)
+        if len(self.waiting) >= self.max_waiting_requests:
+            raise OverloadedError(f"The request queue is full ({self.max_waiting_requests} waiting requests).")
+        self.waiting.append(req)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """(request, new tokens) for this step: decodes first, then prefill chunks (running
+        partial prefills, then newly admitted requests) within the token budget."""
+        budget = self.max_num_batched_tokens
+        decodes, prefills = [], []
+        for req in self.running:
+            n = req.num_tokens - req.num_computed
+            if n == 1 and budget > 0:
+                decodes.append((req, 1))
+                budget -= 1
+        for req in self.running:
+            n = req.num_tokens - req.num_computed
+            if n > 1 and budget > 0:
+                prefills.append((req, min(n, budget)))
+                budget -= prefills[-1][1]
+        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            prefills.append((req, min(req.num_tokens, budget)))
+            budget -= prefills[-1][1]
+        return decodes + prefills
+
+    def _admit(self, req: Request) -> bool:
+        need = self.kv.blocks_for(req.lifetime_tokens)
+        if len(self.running) >= self.max_num_seqs or not self.slots.num_free or need > self.kv.num_free:
+            return False
+        req.slot, req.block_ids = self.slots.allocate(), self.kv.allocate(need)
+        req.status = Status.RUNNING
+        req.scheduled_at = time.monotonic()
+        self.running.append(req)
+        return True
+
+    def advance(self, req: Request, num_new: int) -> None:
+        req.num_computed += num_new
+
+    def finish(self, req: Request) -> None:
+        """Drops the request wherever it is and frees its blocks and slot together."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req.block_ids)
+            self.slots.free(req.slot)
+            req.block_ids, req.slot = [], None
+        req.status = Status.FINISHED

@@ -1,0 +1,330 @@
+"""Engine on the NumPy backend with the tiny random model."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.engine import AdmissionError, Engine, EngineDeadError, OverloadedError
+from engine.checkpoint import EOS_IDS
+
+GREEDY = dict(temperature=0.0)
+
+
+def prompt(seed, n):
+    return np.random.default_rng(seed).integers(0, 200000, n).tolist()
+
+
+class Collect:
+    """An event sink that keeps every event per request."""
+
+    def __init__(self):
+        self.events = {}
+
+    def __call__(self, out):
+        self.events.setdefault(out.request_id, []).append(out)
+
+    def tokens(self, rid):
+        return [t for e in self.events[rid] for t in e.new_token_ids]
+
+    def text(self, rid):
+        return "".join(e.new_text for e in self.events[rid])
+
+    def last(self, rid):
+        return self.events[rid][-1]
+
+
+def drive(eng, col, rids, max_steps=500):
+    for _ in range(max_steps):
+        if all(r in col.events and col.last(r).finished for r in rids):
+            return
+        eng.step()
+    raise AssertionError("requests did not finish")
+
+
+def make(tiny_dir, **kw):
+    """A loop-less engine driven by step() from the test, and an event collector."""
+    return Engine(tiny_dir, start=False, device="cpu", **kw), Collect()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    llm = LLM(tiny_dir, device="cpu", max_num_seqs=16, max_num_batched_tokens=256)
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_alone_equals_inside_mixed_batch(tiny_dir, llm):
+    # even: greedy; odd: seeded top-k sampling (a few candidates, so batch-size rounding of the
+    # logits cannot move a draw across a CDF boundary in practice)
+    specs = [(prompt(i, 3 + 7 * i), SamplingParams(max_tokens=4 + i % 5, temperature=0.0 if i % 2 == 0 else 0.9,
+                                                   top_k=[5, 20][i % 4 // 2], seed=i, min_p=0.01 * (i % 3),
+                                                   repetition_penalty=1 + 0.1 * (i % 3)))
+             for i in range(16)]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in specs]
+    eng, col = make(tiny_dir, max_num_seqs=16, max_num_batched_tokens=48)
+    rids = []
+    for i, (p, sp) in enumerate(specs):  # arrivals spread over steps
+        rids.append(eng.submit(p, sp, col))
+        if i % 3 == 2:
+            eng.step()
+    drive(eng, col, rids)
+    for i, r in enumerate(rids):
+        assert col.tokens(r) == alone[i], i  # greedy ones, and seeded ones too
+    st = eng.stats()
+    assert st.kv_blocks_used == 0 and st.state_slots_free == 16 and st.running == 0 and st.waiting == 0
+
+
+@pytest.mark.parametrize("budget", [5, 16, 33])
+def test_chunked_prefill_matches_unchunked(tiny_dir, llm, budget):
+    p = prompt(99, 70)
+    want = llm.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids
+    eng, col = make(tiny_dir, max_num_seqs=4, max_num_batched_tokens=budget)
+    r0 = eng.submit(p, SamplingParams(max_tokens=6, **GREEDY), col)
+    r1 = eng.submit(prompt(1, 9), SamplingParams(max_tokens=20, **GREEDY), col)  # decodes alongside
+    drive(eng, col, [r0, r1])
+    assert col.tokens(r0) == want
+
+
+def test_llm_generate_forms(llm):
+    outs = llm.generate(["hello", [1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))
+    assert [len(o.token_ids) for o in outs] == [3, 3] and all(o.finish_reason == "length" for o in outs)
+    assert isinstance(outs[0].text, str) and outs[1].prompt_token_ids == [1, 2, 3]
+    assert llm.generate("hello", SamplingParams(max_tokens=3, **GREEDY))[0].token_ids == outs[0].token_ids
+    o = llm.generate([[5, 6]], SamplingParams(max_tokens=2, logprobs=3, **GREEDY))[0]
+    assert len(o.logprobs) == 2 and all(len(lp.top_logprobs) == 3 for lp in o.logprobs)
+    assert o.logprobs[0].token_id == o.token_ids[0] and o.logprobs[0].logprob <= 0
+
+
+def test_generation_config_defaults_apply(tiny_dir):
+    eng, col = make(tiny_dir)
+    rid = eng.submit([1, 2], SamplingParams(max_tokens=1), col)
+    eng.step(block=False)
+    assert col.last(rid).finished
+    p = SamplingParams().with_defaults(eng.cfg.sampling_defaults)
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.95, 20)
+
+
+@pytest.mark.parametrize("phase", ["waiting", "prefill", "decode"])
+def test_abort_returns_blocks_and_slots(tiny_dir, phase):
+    eng, col = make(tiny_dir, max_num_seqs=2, max_num_batched_tokens=8)
+    init = eng.stats()
+    other = [eng.submit(prompt(5, 4), SamplingParams(max_tokens=30, **GREEDY), col) for _ in range(2)]
+    eng.step()  # the two others run; the next one waits (max_num_seqs 2)
+    if phase == "waiting":
+        rid = eng.submit(prompt(6, 20), SamplingParams(max_tokens=5), col)
+        eng.step()
+        assert eng.stats().waiting == 1
+    else:
+        for r in other:
+            eng.abort(r)
+        eng.step()
+        rid = eng.submit(prompt(6, 30), SamplingParams(max_tokens=50), col)
+        eng.step()  # first 8-token chunk of 30
+        assert eng.stats().running == 1
+        if phase == "decode":
+            for _ in range(5):
+                eng.step()
+            assert 0 < len(col.tokens(rid)) < 50
+        else:
+            assert rid not in col.events
+    eng.abort(rid)
+    eng.step()
+    assert col.last(rid).finished and col.last(rid).finish_reason == "abort"
+    for r in other:
+        eng.abort(r)
+    eng.step()
+    st = eng.stats()
+    assert (st.kv_blocks_free, st.state_slots_free, st.running, st.waiting) == \
+           (init.kv_blocks_free, init.state_slots_free, 0, 0)
+    assert st.finished["abort"] >= 2
+
+
+def test_admission_rejection_and_deferral(tiny_dir):
+    eng, col = make(tiny_dir, max_model_len=64, num_kv_blocks=5, block_size=16, max_waiting_requests=2)
+    with pytest.raises(AdmissionError, match=r"maximum context length is 64.*70 tokens \(60 in the prompt, 10 max"):
+        eng.submit(prompt(0, 60), SamplingParams(max_tokens=10), col)
+    with pytest.raises(AdmissionError, match=r"65 tokens.*50 in the prompt, 15 max tokens.*holds 64 tokens"):
+        make(tiny_dir, max_model_len=100, num_kv_blocks=5)[0].submit(prompt(0, 50), SamplingParams(max_tokens=15), col)
+    a = eng.submit(prompt(1, 30), SamplingParams(max_tokens=10, **GREEDY), col)  # 3 of 4 blocks
+    b = eng.submit(prompt(2, 20), SamplingParams(max_tokens=10, **GREEDY), col)  # needs 2: waits
+    with pytest.raises(OverloadedError, match="queue is full"):
+        eng.submit(prompt(3, 4), SamplingParams(max_tokens=1), col)
+    eng.step()
+    assert eng.stats().running == 1 and eng.stats().waiting == 1 and b not in col.events
+    drive(eng, col, [a, b])
+    assert len(col.tokens(b)) == 10
+    st = eng.stats()
+    assert st.num_rejected == 1 and st.num_overloaded == 1 and st.kv_blocks_used == 0
+    with pytest.raises(ValueError, match="logprobs"):
+        eng.submit([1], SamplingParams(logprobs=21), col)
+    with pytest.raises(ValueError, match="logit_bias"):
+        eng.submit([1], SamplingParams(logit_bias={10 ** 7: 1.0}), col)
+
+
+def test_eos_min_tokens_ignore_eos_and_stop_ids(tiny_dir, llm):
+    force_eos = {EOS_IDS[0]: 100.0}
+    o = llm.generate([[1, 2]], SamplingParams(max_tokens=5, logit_bias=force_eos, **GREEDY))[0]
+    assert o.token_ids == [EOS_IDS[0]] and (o.finish_reason, o.stop_reason, o.text) == ("stop", None, "")
+    o = llm.generate([[1, 2]], SamplingParams(max_tokens=5, min_tokens=3, logit_bias=force_eos, **GREEDY))[0]
+    assert len(o.token_ids) == 4 and EOS_IDS[0] not in o.token_ids[:3] and o.finish_reason == "stop"
+    o = llm.generate([[1, 2]], SamplingParams(max_tokens=5, ignore_eos=True, logit_bias=force_eos, **GREEDY))[0]
+    assert o.token_ids == [EOS_IDS[0]] * 5 and o.finish_reason == "length"
+    base = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+    o = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, stop_token_ids=[base[3]], **GREEDY))[0]
+    k = base.index(base[3])
+    assert o.token_ids == base[:k + 1] and (o.finish_reason, o.stop_reason) == ("stop", base[3])
+
+
+def test_stop_strings(tiny_dir):
+    eng, col = make(tiny_dir)
+    # one token per letter, forced in order through the logits hook, gives a known text
+    seq = [eng.tokenizer.encode(c)[0] for c in "abcdefgh"]
+
+    def run(**kw):
+        rid = eng.submit([1], SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY, **kw), col)
+
+        def hook(reqs, logits):
+            for j, r in enumerate(reqs):
+                if r.request_id == rid:
+                    logits[j, seq[len(r.output_ids)]] += 1000.0
+            return logits
+        eng.runner.logits_hook = hook
+        drive(eng, col, [rid])
+        return rid
+
+    rid = run()
+    assert col.text(rid) == "abcdefgh"
+    rid = run(stop=["xyz", "def"])
+    assert col.text(rid) == "abc" and col.last(rid).finish_reason == "stop" and col.last(rid).stop_reason == "def"
+    assert col.tokens(rid) == seq[:6]
+    assert all("d" not in e.new_text for e in col.events[rid])  # partial stop text never leaked
+    rid = run(stop=["def"], include_stop_str_in_output=True)
+    assert col.text(rid) == "abcdef"
+    rid = run(stop=["gh!"])                      # never matches: the held-back tail is flushed at the end
+    assert col.text(rid) == "abcdefgh" and col.last(rid).finish_reason == "length"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_buffer_across_deltas(include):
+    from engine.request import StopStringBuffer
+    for deltas in (["ab", "cST", "OPx"], ["a", "b", "c", "S", "T", "O", "P"], ["abcSTOPx"], ["abcS", "TO", "Px"]):
+        buf, out, hit = StopStringBuffer(["STOP", "zz"], include), "", None
+        for d in deltas:
+            text, hit = buf.feed(d)
+            assert "S" not in text or include
+            out += text
+            if hit:
+                break
+        assert hit == "STOP" and out == ("abcSTOP" if include else "abc"), deltas
+    buf = StopStringBuffer(["STOP"], False)
+    assert buf.feed("xxST") == ("x", None) and buf.flush() == "xST"
+
+
+def test_fault_isolation_bad_row_and_failed_step(tiny_dir):
+    eng, col = make(tiny_dir)
+    rids = [eng.submit(prompt(i, 5), SamplingParams(max_tokens=4, **GREEDY), col) for i in range(3)]
+    bad = rids[1]
+
+    def nan_row(reqs, logits):
+        for j, r in enumerate(reqs):
+            if r.request_id == bad:
+                logits[j, 3] = np.nan
+        return logits
+    eng.runner.logits_hook = nan_row
+    drive(eng, col, rids)
+    assert col.last(bad).finish_reason == "error" and "non-finite" in col.last(bad).error
+    assert [col.last(r).finish_reason for r in (rids[0], rids[2])] == ["length", "length"]
+
+    calls = {"n": 0}
+
+    def boom(reqs, logits):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return logits
+    eng.runner.logits_hook = boom
+    rids = [eng.submit(prompt(i, 5), SamplingParams(max_tokens=4, **GREEDY), col) for i in range(2)]
+    eng.step()
+    for r in rids:
+        assert col.last(r).finish_reason == "error" and f"request {r}" in col.last(r).error
+        assert "injected" in col.last(r).error
+    st = eng.stats()
+    assert st.kv_blocks_used == 0 and st.state_slots_free == st.state_slots_total
+    r = eng.submit(prompt(9, 5), SamplingParams(max_tokens=3, **GREEDY), col)  # still serving
+    drive(eng, col, [r])
+    assert col.last(r).finish_reason == "length"
+
+
+def test_bad_params_and_detokenizer_failure_end_one_request(tiny_dir):
+    eng, col = make(tiny_dir)
+    a, b, c = (eng.submit(prompt(i, 5), SamplingParams(max_tokens=4, **GREEDY), col) for i in range(3))
+    eng.step()
+    eng._requests[a].params.logit_bias = {10 ** 7: 1.0}  # slipped past validation
+
+    class Broken:
+        def add(self, t):
+            raise UnicodeError("broken")
+    eng._requests[b].detokenizer = Broken()
+    drive(eng, col, [a, b, c])
+    assert col.last(a).finish_reason == "error" and "logit_bias" in col.last(a).error
+    assert col.last(b).finish_reason == "error" and "detokeniz" in col.last(b).error
+    assert col.last(c).finish_reason == "length" and len(col.tokens(c)) == 4
+    assert eng.stats().kv_blocks_used == 0
+
+
+async def _consume(stream):
+    async for o in stream:
+        pass
+
+
+def test_async_interface_streams_and_aborts(tiny_dir):
+    eng = Engine(tiny_dir, device="cpu")
+
+    async def main():
+        deltas = [o async for o in eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY))]
+        it = eng.add_request([4, 5], SamplingParams(max_tokens=200, ignore_eos=True, **GREEDY))
+        async for o in it:
+            break
+        await it.aclose()  # client gone: aborts
+        t = asyncio.ensure_future(_consume(eng.add_request([6], SamplingParams(max_tokens=300, ignore_eos=True))))
+        await asyncio.sleep(0.05)
+        t.cancel()  # a cancelled handler task aborts too
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        for _ in range(200):
+            if eng.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert [len(d.new_token_ids) for d in deltas] == [1] * 5 and deltas[-1].finished
+    assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 5 and deltas[-1].prompt_tokens == 3
+    st = eng.stats()
+    assert st.running == 0 and st.kv_blocks_used == 0 and st.finished.get("abort") == 2
+    assert st.generation_tokens >= 6 and st.prompt_tokens == 6
+    eng.shutdown()
+
+
+def test_dead_loop_is_detectable(tiny_dir):
+    eng = Engine(tiny_dir, device="cpu")
+    col = Collect()
+
+    def die():
+        raise SystemError("scheduler bug")
+    eng.scheduler.schedule = die
+    rid = eng.submit([1, 2], SamplingParams(max_tokens=2), col)
+    eng._thread.join(timeout=10)
+    assert not eng.is_alive() and isinstance(eng.dead, SystemError)
+    assert col.last(rid).finish_reason == "error" and "died" in col.last(rid).error
+    with pytest.raises(EngineDeadError):
+        eng.submit([1], SamplingParams(), col)
+
+
+def test_shutdown_ends_outstanding_requests(tiny_dir):
+    eng = Engine(tiny_dir, device="cpu", max_num_batched_tokens=32)
+    col = Collect()
+    rid = eng.submit([1, 2], SamplingParams(max_tokens=2000, ignore_eos=True), col)
+    eng.shutdown()
+    assert col.last(rid).finished and "shut down" in col.last(rid).error

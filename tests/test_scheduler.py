@@ -1,0 +1,118 @@
+"""Scheduler, block manager and slot pool: pure Python, no model."""
+import pytest
+
+from engine.kv_blocks import DUMMY_BLOCK, KVBlockManager
+from engine.request import Request, Status
+from engine.sampling_params import SamplingParams
+from engine.scheduler import AdmissionError, OverloadedError, Scheduler
+from engine.state_slots import DUMMY_SLOT, StateSlotPool
+
+
+def req(rid, prompt_len, max_tokens=4):
+    return Request(str(rid), list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), max_tokens,
+                   frozenset(), sink=lambda out: None)
+
+
+def sched(blocks=64, slots=5, bs=4, max_len=64, seqs=4, budget=16, waiting=8):
+    return Scheduler(KVBlockManager(blocks, bs), StateSlotPool(slots), max_model_len=max_len, max_num_seqs=seqs,
+                     max_num_batched_tokens=budget, max_waiting_requests=waiting)
+
+
+def run_step(s, batch, sampled_token=7):
+    """What the engine does after a forward: advance, append a token where one was sampled."""
+    for r, n in batch:
+        s.advance(r, n)
+        if r.num_computed == r.num_tokens:
+            r.output_ids.append(sampled_token)
+
+
+def test_dummies_are_never_handed_out():
+    kv, sp = KVBlockManager(5, 16), StateSlotPool(3)
+    assert kv.capacity == 4 and sp.capacity == 2
+    assert DUMMY_BLOCK not in kv.allocate(4) and DUMMY_SLOT not in [sp.allocate(), sp.allocate()]
+    with pytest.raises(RuntimeError):
+        kv.allocate(1)
+    with pytest.raises(RuntimeError):
+        sp.allocate()
+
+
+def test_admission_reserves_whole_lifetime_and_frees_together():
+    s = sched()
+    r = req(0, 10, max_tokens=7)  # 17 tokens -> 5 blocks of 4
+    s.add(r)
+    batch = s.schedule()
+    assert batch == [(r, 10)] and r.status is Status.RUNNING
+    assert len(r.block_ids) == 5 and s.kv.num_free == 63 - 5 and s.slots.num_free == 3
+    s.finish(r)
+    assert s.kv.num_free == 63 and s.slots.num_free == 4 and r.slot is None and r.block_ids == []
+
+
+def test_decodes_first_then_chunked_prefill_within_budget():
+    s = sched(budget=8)
+    a, b = req("a", 3), req("b", 20)
+    s.add(a)
+    run_step(s, s.schedule())                   # a prefilled, has one output token
+    s.add(b)
+    batch = s.schedule()
+    assert batch == [(a, 1), (b, 7)]            # decode first, b gets the rest of the budget
+    run_step(s, batch)
+    assert b.num_computed == 7 and b.output_ids == []
+    batch = s.schedule()
+    assert batch == [(a, 1), (b, 7)]            # b resumes at base_pos 7
+    run_step(s, batch)
+    batch = s.schedule()
+    assert batch == [(a, 1), (b, 6)]
+    run_step(s, batch)
+    assert b.num_computed == 20 and len(b.output_ids) == 1
+    assert s.schedule() == [(a, 1), (b, 1)]
+
+
+def test_max_num_seqs_and_fcfs_deferral():
+    s = sched(seqs=2, budget=64)
+    rs = [req(i, 4) for i in range(4)]
+    for r in rs:
+        s.add(r)
+    assert [r for r, _ in s.schedule()] == rs[:2]
+    assert list(s.waiting) == rs[2:]
+    s.finish(rs[0])
+    assert [r for r, _ in s.schedule()] == [rs[1], rs[2]]  # rs[1] prefills again (nothing ran), rs[2] admitted
+
+
+def test_head_of_line_waits_and_blocks_later_requests():
+    s = sched(blocks=9, bs=4, budget=64)
+    a, b, c = req("a", 16, 4), req("b", 12, 4), req("c", 1, 1)   # a: 5 blocks, b: 4 blocks, c: 1 block
+    for r in (a, b, c):
+        s.add(r)
+    assert [r for r, _ in s.schedule()] == [a]   # b does not fit now; c waits behind it (strict FCFS)
+    assert list(s.waiting) == [b, c]
+    s.finish(a)
+    assert [r for r, _ in s.schedule()] == [b, c]
+
+
+def test_never_fitting_is_rejected_with_sizes():
+    s = sched(blocks=9, bs=4, max_len=64)
+    with pytest.raises(AdmissionError, match=r"maximum context length is 64.*70 tokens \(60 in the prompt, 10 max"):
+        s.add(req(0, 60, 10))
+    with pytest.raises(AdmissionError, match=r"40 tokens.*30 in the prompt, 10 max tokens.*holds 32 tokens"):
+        s.add(req(1, 30, 10))
+    with pytest.raises(AdmissionError, match="empty"):
+        s.add(req(2, 0, 1))
+
+
+def test_waiting_queue_is_bounded():
+    s = sched(waiting=2)
+    s.add(req(0, 4))
+    s.add(req(1, 4))
+    with pytest.raises(OverloadedError, match="queue is full"):
+        s.add(req(2, 4))
+
+
+def test_finish_from_waiting_and_running():
+    s = sched(seqs=1)
+    a, b = req("a", 4), req("b", 4)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(b)                                  # waiting
+    s.finish(a)                                  # running
+    assert not s.waiting and not s.running and s.kv.num_free == 63 and s.slots.num_free == 4
