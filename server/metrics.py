@@ -47,6 +47,8 @@ class Metrics:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
                              ITL_BUCKETS)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token.", E2E_BUCKETS)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting for admission (KV blocks and a slot).",
+                               E2E_BUCKETS)
 
     def render(self, gauges: dict[str, tuple[str, float]], counters: dict) -> str:
         """gauges: name -> (help, value); counters: engine totals; both read at scrape time."""
@@ -62,6 +64,6 @@ class Metrics:
         name, finished = "vllm:request_success_total", counters["finished"]
         out += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
         out += [f'{name}{{{lab},finished_reason="{r}"}} {finished.get(r, 0)}' for r in FINISHED_REASONS]
-        for h in (self.ttft, self.itl, self.e2e):
+        for h in (self.ttft, self.itl, self.e2e, self.queue):
             out += h.lines(lab)
         return "\n".join(out) + "\n"

@@ -108,7 +108,7 @@ async def steps(ctx, job: Job):
             if not out.new_token_ids and not out.new_text and not out.finished:
                 continue  # chunked prefill step: nothing to send
             d = c.update(out)
-            _observe(ctx, job, k, last, len(out.new_token_ids), d)
+            _observe(ctx, job, k, last, len(out.new_token_ids), d, out.queue_time)
             yield c, d
     finally:
         for t in tasks:
@@ -116,8 +116,10 @@ async def steps(ctx, job: Job):
         abort_all(ctx, job)
 
 
-def _observe(ctx, job: Job, k: int, last: list, n_new: int, d: Delta) -> None:
+def _observe(ctx, job: Job, k: int, last: list, n_new: int, d: Delta, queue_time: float | None) -> None:
     now, m = time.monotonic(), ctx.metrics
+    if queue_time is not None:
+        m.queue.observe(queue_time)
     if n_new:
         (m.ttft if last[k] is None else m.itl).observe(now - (job.arrival if last[k] is None else last[k]))
         last[k] = now

@@ -84,7 +84,7 @@ async def test_metrics_text(client):
         metric(text, name)
     assert metric(text, "vllm:request_success_total", finished_reason="length") >= 1
     for h in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-              "vllm:e2e_request_latency_seconds"):
+              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
         buckets = [float(v) for v in re.findall(rf'^{h}_bucket{{.*}} (\S+)$', text, re.M)]
         assert buckets == sorted(buckets) and buckets[-1] == metric(text, h + "_count") >= 1
         assert f'{h}_bucket{{model_name="tiny",engine="0",le="+Inf"}}' in text
