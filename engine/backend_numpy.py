@@ -149,6 +149,9 @@ class NumpyBackend:
         blocks = step.block_tables[seq, step.positions // bs]
         return Meta(step, (blocks * bs + step.positions % bs).astype(np.int64))
 
+    def memory_used(self) -> int:
+        return 0  # host memory is not the scarce resource here
+
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x, np.float32)
 

@@ -64,6 +64,7 @@ class EngineStats:
     prompt_tokens: int = 0                    # prefill tokens computed
     generation_tokens: int = 0
     finished: dict = field(default_factory=dict)  # finish_reason -> count
+    device_memory_used: int = 0               # bytes the backend holds in live arrays (0 on the CPU)
 
 
 def make_backend(device: str):
@@ -227,7 +228,8 @@ class Engine:
         return replace(self._stats, running=len(self.scheduler.running), waiting=self._pending,
                        kv_blocks_free=self.kv.num_free, kv_blocks_used=self.kv.num_used,
                        kv_blocks_total=self.kv.capacity, state_slots_free=self.slots.num_free,
-                       state_slots_total=self.slots.capacity, finished=dict(self._stats.finished))
+                       state_slots_total=self.slots.capacity, finished=dict(self._stats.finished),
+                       device_memory_used=self.runner.model.ops.memory_used())
 
     def shutdown(self) -> None:
         self._stop = True

@@ -41,6 +41,8 @@ def gauges(engine) -> dict[str, tuple[str, float]]:
         "qwen35:kv_blocks_total": ("KV cache blocks usable by requests.", s.kv_blocks_total),
         "qwen35:state_slots_free": ("Free GDN state slots.", s.state_slots_free),
         "qwen35:state_slots_total": ("GDN state slots usable by requests.", s.state_slots_total),
+        "qwen35:device_memory_used_bytes": ("Device memory held by live arrays (0 on the CPU backend).",
+                                            s.device_memory_used),
     }
 
 

@@ -1,7 +1,8 @@
-"""HTTP lifecycle gate against a real `qwen35 serve` subprocess (tiny model, CPU): baseline,
-rejections, cancellation and disconnects at every stage, overload, then a clean follow-up whose
-output hash equals the baseline, idle gauges, and a clean SIGINT shutdown. The tests run in file
-order and share one server."""
+"""HTTP lifecycle gate against a real `qwen35 serve` subprocess: baseline, rejections,
+cancellation and disconnects at every stage, overload, then a clean follow-up whose output hash
+equals the baseline, idle gauges (and, on the GPU, device memory back at its idle value), and a
+clean SIGINT shutdown. The tests run in file order and share one server per target: the tiny
+model on the CPU, and (marked gpu) the random 4B checkpoint on the GPU."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,12 @@ import signal
 import threading
 import time
 
+import os
+
 import httpx
 import pytest
+
+from engine.checkpoint import make_model
 
 from server_util import ServerProcess, metric, sse_events
 
@@ -21,13 +26,28 @@ MAX_LEN, SEQS, WAITING = 4096, 2, 2
 BASE = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 LONG = 3000          # prompt tokens: dozens of 32-token prefill chunks
 IDLE_WITHIN_S = 2.0  # an aborted request must be gone long before it could have finished
-baseline: dict = {}
+baseline: dict = {}  # per server url: output hash and idle device memory
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir):
-    with ServerProcess(tiny_dir, "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(SEQS),
-                       "--max-waiting-requests", str(WAITING), "--max-num-batched-tokens", "32") as s:
+def _gpu_or_skip():
+    cupy = pytest.importorskip("cupy")
+    try:
+        assert cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no usable CUDA device ({e})")
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cpu", id="cpu-tiny"),
+                                        pytest.param("cuda", id="gpu-4b", marks=pytest.mark.gpu)])
+def server(request, tmp_path_factory):
+    if request.param == "cuda":
+        _gpu_or_skip()
+        model_dir = os.environ.get("QWEN35_MODEL_4B") or make_model(tmp_path_factory.mktemp("4b"), "4b")
+    else:
+        model_dir = request.getfixturevalue("tiny_dir")
+    with ServerProcess(model_dir, "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(SEQS),
+                       "--max-waiting-requests", str(WAITING), "--max-num-batched-tokens", "32",
+                       device=request.param) as s:
         yield s
 
 
@@ -72,10 +92,15 @@ def _stream_body(**kw) -> dict:
     return {**BASE, "stream": True, "max_tokens": 1000, **kw}
 
 
+def _device_memory(server) -> float:
+    return metric(_metrics(server), "qwen35:device_memory_used_bytes")
+
+
 def test_1_baseline(oai, server):
-    baseline["hash"] = _greedy_hash(oai)
-    assert _greedy_hash(oai) == baseline["hash"]  # deterministic
+    base = baseline[server.url] = {"hash": _greedy_hash(oai)}
+    assert _greedy_hash(oai) == base["hash"]  # deterministic
     _wait_idle(server)
+    base["memory"] = _device_memory(server)
 
 
 def test_2_over_context_then_normal(oai, server):
@@ -84,7 +109,7 @@ def test_2_over_context_then_normal(oai, server):
     assert str(MAX_LEN) in str(e.value) and str(MAX_LEN + 14) in str(e.value)
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * MAX_LEN}])
-    assert _greedy_hash(oai) == baseline["hash"]
+    assert _greedy_hash(oai) == baseline[server.url]["hash"]
 
 
 @pytest.mark.parametrize("body,needle", [
@@ -112,7 +137,7 @@ def test_3_invalid_requests(oai, server):
         oai.completions.create(model="other", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model="tiny", prompt="x", temperature=-2)
-    assert _greedy_hash(oai) == baseline["hash"]
+    assert _greedy_hash(oai) == baseline[server.url]["hash"]
 
 
 def test_4_cancel_after_first_token(oai, server):
@@ -202,10 +227,11 @@ def test_6_overload(server):
 
 
 def test_7_healthy_after_everything(oai, server):
-    assert _greedy_hash(oai) == baseline["hash"]
+    assert _greedy_hash(oai) == baseline[server.url]["hash"]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert oai.models.list().data[0].id == "tiny"
     _wait_idle(server, within=0.5)
+    assert _device_memory(server) == baseline[server.url]["memory"]
 
 
 def test_8_sigint_aborts_streams_and_exits_cleanly(server):
