@@ -133,8 +133,22 @@ class CudaBackend:
         for a in cache.conv + cache.rec:
             a[idx] = 0
 
-    def prepare(self, step: Step, cache: Cache) -> Meta:
-        """Uploads the step's metadata in one host-to-device copy (views into one int32 buffer)."""
+    @staticmethod
+    def meta_size(T: int, B: int, n_logits: int, width: int) -> int:
+        """int32 elements of the packed metadata buffer prepare() uploads: T tokens, B sequences,
+        n_logits sampled rows, block tables `width` wide."""
+        return 4 * T + (B + 1) + 2 * B + n_logits + B * width
+
+    def prepare(self, step: Step, cache: Cache, out: cupy.ndarray | None = None, max_ctx: int | None = None,
+                staging: np.ndarray | None = None) -> Meta:
+        """Uploads the step's metadata in one host-to-device copy (views into one int32 buffer).
+
+        out: a preallocated contiguous int32 device buffer of exactly meta_size(...) elements to upload
+        into (on the current stream) instead of a fresh array, so the metadata lives at fixed addresses
+        (CUDA-graph replay). staging: with out, a pinned int32 host array of the same size the data is
+        packed into and copied from asynchronously (the caller makes sure an earlier copy from it has
+        finished). max_ctx: the context bound (>= every seq_len) that sizes the attention split-K
+        instead of max(seq_lens), so that decision does not change between replays."""
         bs = cache.block_size
         B = step.num_seqs
         T = int(step.cu_seqlens[-1])
@@ -146,13 +160,36 @@ class CudaBackend:
         parts = [step.tokens, step.positions, step.cu_seqlens, step.slots, step.seq_lens, slot_mapping, seq,
                  step.logits_rows, bt.reshape(-1)]
         parts = [np.asarray(p, np.int32).reshape(-1) for p in parts]
-        dev = cupy.asarray(np.concatenate(parts))
+        host = np.concatenate(parts)
+        if out is None:
+            dev = cupy.asarray(host)
+        else:
+            if out.dtype != cupy.int32 or out.ndim != 1 or out.size != host.size or not out.flags.c_contiguous:
+                raise ValueError(f"prepare: out must be a contiguous int32 [{host.size}] buffer, got "
+                                 f"{out.dtype} {out.shape}")
+            if staging is None:
+                out.set(host)
+            else:
+                assert staging.dtype == np.int32 and staging.shape == host.shape
+                staging[...] = host
+                cupy.cuda.runtime.memcpyAsync(out.data.ptr, staging.ctypes.data, host.nbytes,
+                                              cupy.cuda.runtime.memcpyHostToDevice,
+                                              cupy.cuda.get_current_stream().ptr)
+            dev = out
         views, o = [], 0
         for p in parts:
             views.append(dev[o:o + p.size])
             o += p.size
         views[-1] = views[-1].reshape(bt.shape)
-        return Meta(step, T, B, int(step.seq_lens.max(initial=0)), *views)
+        ctx = int(step.seq_lens.max(initial=0))
+        if max_ctx is not None:
+            if max_ctx < ctx:
+                raise ValueError(f"prepare: max_ctx {max_ctx} < longest context {ctx}")
+            ctx = int(max_ctx)
+        return Meta(step, T, B, ctx, *views)
+
+    def memory_used(self) -> int:
+        return cupy.get_default_memory_pool().used_bytes()
 
     def to_host(self, x) -> np.ndarray:
         if isinstance(x, cupy.ndarray):

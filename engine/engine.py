@@ -47,6 +47,7 @@ class EngineArgs:
     device: str = "auto"                      # "cpu" | "cuda" | "auto"
     max_logprobs: int = 20
     seed: int = 0                             # for requests without a seed
+    enforce_eager: bool = False               # CUDA: no decode-step graphs
 
 
 @dataclass
@@ -157,8 +158,13 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.slots, max_model_len=max_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens,
                                    max_waiting_requests=a.max_waiting_requests)
-        self.runner = ModelRunner(model, model.alloc_cache(num_slots, self.kv.num_blocks, a.block_size),
-                                  Sampler(a.seed))
+        cache = model.alloc_cache(num_slots, self.kv.num_blocks, a.block_size)
+        graphs = None
+        if backend.name == "cuda" and not a.enforce_eager:
+            from .decode_graph import DecodeGraphs
+            graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=0, dummy_block=0,
+                                  max_blocks_per_seq=-(-max_len // a.block_size))
+        self.runner = ModelRunner(model, cache, Sampler(a.seed), graphs)
         self.max_model_len = max_len
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())

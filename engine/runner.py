@@ -19,8 +19,9 @@ class Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model, cache, sampler: Sampler):
-        self.model, self.cache, self.sampler = model, cache, sampler
+    def __init__(self, model, cache, sampler: Sampler, graphs=None):
+        """graphs: a DecodeGraphs (CUDA) that replays pure-decode steps; None runs every step eagerly."""
+        self.model, self.cache, self.sampler, self.graphs = model, cache, sampler, graphs
         self.ops = model.ops
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
         self.logits_hook = None
@@ -35,7 +36,11 @@ class ModelRunner:
             start = req.num_computed
             chunks.append((req.token_ids(start, start + n), start, req.slot, req.block_ids))
             want.append(start + n == req.num_tokens)
-        logits = self.model.forward(Step.build(chunks, want), self.cache)
+        step = Step.build(chunks, want)
+        if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
+            logits = self.graphs.run(step)  # every sequence decodes one token
+        else:
+            logits = self.model.forward(step, self.cache)
         sampled = [req for (req, _), w in zip(batch, want) if w]
         if not sampled:
             return []

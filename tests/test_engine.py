@@ -42,9 +42,13 @@ def drive(eng, col, rids, max_steps=500):
     raise AssertionError("requests did not finish")
 
 
-def make(tiny_dir, **kw):
-    """A loop-less engine driven by step() from the test, and an event collector."""
-    return Engine(tiny_dir, start=False, device="cpu", **kw), Collect()
+def make(model, **kw):
+    """A loop-less engine driven by step() from the test, and an event collector. model: the tiny
+    model's dir (CPU), or a (dir, device) target."""
+    model, device = model if isinstance(model, tuple) else (model, "cpu")
+    if device == "cuda":
+        kw.setdefault("kv_cache_memory", 4 << 30)  # several engines live at once in these tests
+    return Engine(model, start=False, device=device, **kw), Collect()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,17 @@ def llm(tiny_dir):
     llm.shutdown()
 
 
-def test_greedy_alone_equals_inside_mixed_batch(tiny_dir, llm):
+@pytest.fixture(scope="module")
+def target_llm(target):
+    model_dir, device = target
+    llm = LLM(model_dir, device=device, max_num_seqs=16, max_num_batched_tokens=256,
+              **({"kv_cache_memory": 4 << 30} if device == "cuda" else {}))
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_alone_equals_inside_mixed_batch(target, target_llm):
+    llm = target_llm
     # even: greedy; odd: seeded top-k sampling (a few candidates, so batch-size rounding of the
     # logits cannot move a draw across a CDF boundary in practice)
     specs = [(prompt(i, 3 + 7 * i), SamplingParams(max_tokens=4 + i % 5, temperature=0.0 if i % 2 == 0 else 0.9,
@@ -62,7 +76,7 @@ def test_greedy_alone_equals_inside_mixed_batch(tiny_dir, llm):
                                                    repetition_penalty=1 + 0.1 * (i % 3)))
              for i in range(16)]
     alone = [llm.generate([p], sp)[0].token_ids for p, sp in specs]
-    eng, col = make(tiny_dir, max_num_seqs=16, max_num_batched_tokens=48)
+    eng, col = make(target, max_num_seqs=16, max_num_batched_tokens=48)
     rids = []
     for i, (p, sp) in enumerate(specs):  # arrivals spread over steps
         rids.append(eng.submit(p, sp, col))
@@ -76,10 +90,10 @@ def test_greedy_alone_equals_inside_mixed_batch(tiny_dir, llm):
 
 
 @pytest.mark.parametrize("budget", [5, 16, 33])
-def test_chunked_prefill_matches_unchunked(tiny_dir, llm, budget):
+def test_chunked_prefill_matches_unchunked(target, target_llm, budget):
     p = prompt(99, 70)
-    want = llm.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids
-    eng, col = make(tiny_dir, max_num_seqs=4, max_num_batched_tokens=budget)
+    want = target_llm.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids
+    eng, col = make(target, max_num_seqs=4, max_num_batched_tokens=budget)
     r0 = eng.submit(p, SamplingParams(max_tokens=6, **GREEDY), col)
     r1 = eng.submit(prompt(1, 9), SamplingParams(max_tokens=20, **GREEDY), col)  # decodes alongside
     drive(eng, col, [r0, r1])
@@ -106,8 +120,8 @@ def test_generation_config_defaults_apply(tiny_dir):
 
 
 @pytest.mark.parametrize("phase", ["waiting", "prefill", "decode"])
-def test_abort_returns_blocks_and_slots(tiny_dir, phase):
-    eng, col = make(tiny_dir, max_num_seqs=2, max_num_batched_tokens=8)
+def test_abort_returns_blocks_and_slots(target, phase):
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=8)
     init = eng.stats()
     other = [eng.submit(prompt(5, 4), SamplingParams(max_tokens=30, **GREEDY), col) for _ in range(2)]
     eng.step()  # the two others run; the next one waits (max_num_seqs 2)

@@ -11,12 +11,8 @@ import signal
 import threading
 import time
 
-import os
-
 import httpx
 import pytest
-
-from engine.checkpoint import make_model
 
 from server_util import ServerProcess, metric, sse_events
 
@@ -29,25 +25,12 @@ IDLE_WITHIN_S = 2.0  # an aborted request must be gone long before it could have
 baseline: dict = {}  # per server url: output hash and idle device memory
 
 
-def _gpu_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        assert cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no usable CUDA device ({e})")
-
-
-@pytest.fixture(scope="module", params=[pytest.param("cpu", id="cpu-tiny"),
-                                        pytest.param("cuda", id="gpu-4b", marks=pytest.mark.gpu)])
-def server(request, tmp_path_factory):
-    if request.param == "cuda":
-        _gpu_or_skip()
-        model_dir = os.environ.get("QWEN35_MODEL_4B") or make_model(tmp_path_factory.mktemp("4b"), "4b")
-    else:
-        model_dir = request.getfixturevalue("tiny_dir")
+@pytest.fixture(scope="module")
+def server(target):
+    model_dir, device = target
     with ServerProcess(model_dir, "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(SEQS),
                        "--max-waiting-requests", str(WAITING), "--max-num-batched-tokens", "32",
-                       device=request.param) as s:
+                       device=device) as s:
         yield s
 
 

@@ -1,0 +1,218 @@
+"""CUDA-graph capture and replay of the pure-decode step (CUDA backend only).
+
+At batch size 1 a decode step is launch-bound: ~15 kernels per layer at 15-30 us of CuPy launch
+overhead each. DecodeGraphs captures the whole forward (every kernel and cublasLt GEMM, the final norm
+and lm_head) once per batch-size bucket and replays it with one cudaGraphLaunch.
+
+How a step is run
+- Decode only: every sequence has exactly one new token, and every sequence is sampled.
+- The step is padded to its bucket (BUCKETS, then +16 up to max_num_seqs). Padded rows decode token 0
+  at position 0 (seq_len 1) into the reserved dummy state slot, with block-table row [dummy_block, ...]:
+  they write and read only the dummy slot's conv/recurrent state and row 0 of the dummy KV page, so no
+  kernel needs a mask and real sequences are never touched. (Several padded rows share the dummy slot,
+  so its contents are garbage; nothing real ever reads it.)
+- All metadata (tokens, positions, cu_seqlens, slots, seq_lens, slot_mapping, tok_seq, logits_rows,
+  block tables max_blocks_per_seq wide) lives in one static int32 device buffer per bucket;
+  CudaBackend.prepare(..., out=buffer, max_ctx=self.max_ctx, staging=pinned) refills it with one
+  asynchronous H2D copy per step from a pinned host buffer (so run() does not wait for the GPU).
+- The attention split-K decision depends only on the bucket and max_ctx = max_blocks_per_seq *
+  block_size (fixed at capture), never on the step's actual context lengths.
+- run() enqueues the metadata copy and the graph launch on CuPy's current stream (the same stream as
+  eager work, so ordering with prefills and sampling needs no events). Replays must be serialized
+  (one stream, one thread): all graphs share one private memory pool for their intermediates.
+
+Memory: each bucket is first run eagerly on an all-padding step (compiles kernels, builds cublasLt
+plans, allocates the GEMM workspace and RoPE tables from the default pool), run once more on the
+capture stream under the private pool (so the capture reuses cached blocks), then captured on a
+private non-blocking stream with every allocation drawn from a private cupy MemoryPool that lives as
+long as this object, so the default pool never hands out an address a graph uses. The logits buffer of
+each graph is kept alive by the graph record.
+
+Result of run(): a view [B, vocab] (f32) into the graph's static logits buffer, valid until the next
+run() (copy it, or bring it to the host, before replaying again).
+
+Bit-exactness: a replay equals eager execution of the same padded step with the same max_ctx
+(DecodeGraphs.eager), bit for bit. It is not bit-identical to an unpadded eager forward: GEMMs with a
+different M and a different attention split may round differently.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import cupy
+import numpy as np
+
+from .step import Step
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, then +16, all <= max_num_seqs; max_num_seqs itself is the last
+    bucket when it is not one of those."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    out = [b for b in BUCKETS if b <= max_num_seqs]
+    b = BUCKETS[-1] + 16
+    while b <= max_num_seqs:
+        out.append(b)
+        b += 16
+    if out[-1] != max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+@dataclasses.dataclass
+class _Captured:
+    bucket: int
+    buf: cupy.ndarray      # static int32 metadata buffer (CudaBackend.prepare layout)
+    graph: object          # cupy.cuda.graph.Graph
+    logits: cupy.ndarray   # static [bucket, vocab] f32 output
+    staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
+    copied: object         # cupy Event recorded after the last copy out of staging
+    pinned: object         # the pinned allocation behind staging
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache, max_num_seqs: int, dummy_slot: int, dummy_block: int,
+                 max_blocks_per_seq: int, capture_now: bool = False):
+        """model: a Qwen35Model on a CudaBackend; cache: the cache the graphs are bound to (its arrays'
+        addresses are baked into the graphs); max_blocks_per_seq: block-table width of every graph
+        (the longest context a replay supports is max_blocks_per_seq * block_size). capture_now:
+        capture every bucket here (largest first) instead of on first use."""
+        if getattr(model.ops, "name", None) != "cuda":
+            raise ValueError("DecodeGraphs needs the CUDA backend")
+        if max_blocks_per_seq < 1:
+            raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
+        self.model, self.ops, self.cache = model, model.ops, cache
+        self.max_num_seqs = int(max_num_seqs)
+        self.dummy_slot, self.dummy_block = int(dummy_slot), int(dummy_block)
+        self.max_blocks_per_seq = int(max_blocks_per_seq)
+        self.block_size = cache.block_size
+        self.max_ctx = self.max_blocks_per_seq * self.block_size
+        self.buckets = bucket_sizes(self.max_num_seqs)
+        self.pool = cupy.cuda.MemoryPool()             # every capture-time allocation; lives with the graphs
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # capture only; replays go to the current stream
+        self.graphs: dict[int, _Captured] = {}
+        if capture_now:
+            self.capture_all()
+
+    # ---- shapes --------------------------------------------------------------------------
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"decode batch {batch} exceeds max_num_seqs {self.max_num_seqs}")
+
+    def pad(self, step: Step, bucket: int | None = None) -> Step:
+        """The decode step padded to its bucket (or `bucket`), block tables max_blocks_per_seq wide."""
+        B = step.num_seqs
+        self._check_decode(step)
+        P = self.bucket_for(B) if bucket is None else bucket
+        W = self.max_blocks_per_seq
+        tables = np.full((P, W), self.dummy_block, np.int32)
+        w = step.block_tables.shape[1]
+        if w > W:  # wider than the graphs: fine only if the extra columns are unused
+            need = -(-int(step.seq_lens.max()) // self.block_size)
+            if need > W:
+                raise ValueError(f"context {int(step.seq_lens.max())} needs {need} blocks > max_blocks_per_seq {W}")
+            w = W
+        tables[:B, :w] = step.block_tables[:, :w]
+        ar = np.arange(P + 1, dtype=np.int32)
+        tokens = np.zeros(P, np.int32)
+        tokens[:B] = step.tokens
+        positions = np.zeros(P, np.int32)
+        positions[:B] = step.positions
+        slots = np.full(P, self.dummy_slot, np.int32)
+        slots[:B] = step.slots
+        seq_lens = np.ones(P, np.int32)
+        seq_lens[:B] = step.seq_lens
+        return Step(tokens=tokens, positions=positions, cu_seqlens=ar, slots=slots, block_tables=tables,
+                    seq_lens=seq_lens, logits_rows=ar[:P].copy())
+
+    def _check_decode(self, step: Step) -> None:
+        B = step.num_seqs
+        if B < 1 or B > self.max_num_seqs:
+            raise ValueError(f"decode batch of {B} sequences: need 1..{self.max_num_seqs}")
+        ar = np.arange(B + 1)
+        if len(step.tokens) != B or not np.array_equal(step.cu_seqlens, ar):
+            raise ValueError("DecodeGraphs runs pure decode steps only (one new token per sequence)")
+        if not np.array_equal(step.logits_rows, ar[:B]):
+            raise ValueError("DecodeGraphs needs every sequence sampled (logits_rows == arange(B))")
+        if not np.array_equal(step.seq_lens, step.positions + 1):
+            raise ValueError("decode step: seq_lens must be positions + 1")
+        if int(step.seq_lens.max()) > self.max_ctx:
+            raise ValueError(f"context {int(step.seq_lens.max())} > max_ctx {self.max_ctx} of the graphs")
+        if (step.slots == self.dummy_slot).any():
+            raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
+        blk = step.block_tables[np.arange(B), step.positions // self.block_size]
+        if (blk == self.dummy_block).any():
+            raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
+
+    # ---- capture ---------------------------------------------------------------------------
+    def _meta(self, pstep: Step, cache, out=None):
+        meta = self.ops.prepare(pstep, cache, out=out, max_ctx=self.max_ctx)
+        if out is not None:  # the final gather reads its rows from the static buffer, not the host
+            meta.step = dataclasses.replace(pstep, logits_rows=meta.logits_rows)
+        return meta
+
+    def capture(self, bucket: int) -> _Captured:
+        if bucket in self.graphs:
+            return self.graphs[bucket]
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket ({self.buckets})")
+        W = self.max_blocks_per_seq
+        # an all-padding step: every row decodes into the dummy slot / page
+        ar = np.arange(bucket + 1, dtype=np.int32)
+        dummy = Step(tokens=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32), cu_seqlens=ar,
+                     slots=np.full(bucket, self.dummy_slot, np.int32),
+                     block_tables=np.full((bucket, W), self.dummy_block, np.int32),
+                     seq_lens=np.ones(bucket, np.int32), logits_rows=ar[:bucket].copy())
+        buf = cupy.zeros(self.ops.meta_size(bucket, bucket, bucket, W), cupy.int32)
+        meta = self._meta(dummy, self.cache, out=buf)
+        self.model.forward_meta(meta, self.cache)  # warm-up: kernels, GEMM plans, workspace, RoPE tables
+        cupy.cuda.get_current_stream().synchronize()
+        s = self.stream
+        with cupy.cuda.using_allocator(self.pool.malloc), s:
+            self.model.forward_meta(meta, self.cache)  # primes the private pool on the capture stream, so
+            s.synchronize()                            # the capture finds its blocks cached (no cudaMalloc)
+            s.begin_capture()
+            try:
+                logits = self.model.forward_meta(meta, self.cache)
+            except BaseException:
+                try:
+                    s.end_capture()
+                except Exception:  # noqa: BLE001 - the capture is invalid anyway; report the first error
+                    pass
+                raise
+            graph = s.end_capture()
+        graph.upload(cupy.cuda.get_current_stream())
+        mem = cupy.cuda.alloc_pinned_memory(buf.nbytes)
+        staging = np.frombuffer(mem, np.int32, buf.size)
+        g = self.graphs[bucket] = _Captured(bucket, buf, graph, logits, staging,
+                                            cupy.cuda.Event(disable_timing=True), mem)
+        return g
+
+    def capture_all(self) -> None:
+        for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool memory
+            self.capture(b)
+
+    # ---- replay ------------------------------------------------------------------------------
+    def run(self, step: Step) -> cupy.ndarray:
+        """Logits [B, vocab] f32 of a pure decode step, replayed from the bucket's graph (captured on
+        first use). A view into the graph's static output, valid until the next run()."""
+        pstep = self.pad(step)  # validates the step first
+        g = self.capture(pstep.num_seqs)
+        stream = cupy.cuda.get_current_stream()
+        g.copied.synchronize()  # the previous copy out of the staging buffer has been read
+        self.ops.prepare(pstep, self.cache, out=g.buf, max_ctx=self.max_ctx, staging=g.staging)  # async H2D
+        g.copied.record(stream)
+        g.graph.launch(stream)
+        return g.logits[:step.num_seqs]
+
+    def eager(self, step: Step, cache=None) -> cupy.ndarray:
+        """What run() computes, executed eagerly (padded, same max_ctx) on `cache` (default: the bound
+        one): the bit-exact reference for a replay. Returns fresh logits [B, vocab]."""
+        cache = self.cache if cache is None else cache
+        pstep = self.pad(step)
+        return self.model.forward_meta(self._meta(pstep, cache), cache)[:step.num_seqs]

@@ -1,0 +1,199 @@
+"""CUDA-graph decode (engine/decode_graph.py) against eager execution on the tiny models.
+
+A replay must equal eager execution of the same padded step bit for bit (logits and every conv,
+recurrent and KV array outside the dummy slot / page), batches that straddle buckets must work with the
+padding absorbed by the dummy slot and page (slots and pages no sequence owns stay untouched), and the
+result must agree with the ordinary unpadded eager forward up to bf16 rounding.
+"""
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError("no GPU")
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"no usable CUDA device ({e})", allow_module_level=True)
+
+from engine.backend_cuda import CudaBackend  # noqa: E402
+from engine.backend_numpy import Cache  # noqa: E402
+from engine.decode_graph import DecodeGraphs, bucket_sizes  # noqa: E402
+from engine.step import Step  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BS = 16
+DUMMY_SLOT, DUMMY_BLOCK = 0, 0
+_MODELS = {}
+
+
+def _model(request, preset):
+    if preset not in _MODELS:
+        from engine.config import ModelConfig
+        from engine.model import Qwen35Model
+        from engine.weights import load_weights
+
+        d = request.getfixturevalue(f"{preset}_dir")
+        cfg = ModelConfig.from_dir(d)
+        _MODELS[preset] = Qwen35Model(cfg, load_weights(d, cfg), CudaBackend())
+    return _MODELS[preset]
+
+
+def copy_cache(c):
+    return Cache([a.copy() for a in c.conv], [a.copy() for a in c.rec], [a.copy() for a in c.k],
+                 [a.copy() for a in c.v], c.block_size)
+
+
+def host(c):
+    return {name: [cupy.asnumpy(a) for a in getattr(c, name)] for name in ("conv", "rec", "k", "v")}
+
+
+def bits(x):
+    x = np.ascontiguousarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.itemsize])
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def bf(x):  # bf16 bits -> f32
+    return (np.asarray(x).astype(np.uint32) << 16).view(np.float32)
+
+
+class World:
+    """n sequences prefilled eagerly in random non-contiguous slots and pages; spare slot and pages
+    nobody owns are filled with a pattern, the dummy slot and page with garbage."""
+
+    def __init__(self, model, n, steps, seed):
+        rng = np.random.default_rng(seed)
+        self.model, self.rng = model, rng
+        self.lens = [int(x) for x in rng.integers(1, 40, n)]
+        need = [-(-(L + steps) // BS) for L in self.lens]
+        self.num_slots = n + 2                                 # dummy + n + one spare
+        self.num_blocks = 1 + sum(need) + 3                    # dummy + owned + spares
+        self.slots = [int(s) for s in rng.permutation(np.arange(1, self.num_slots))[:n]]
+        pages = [int(p) for p in rng.permutation(np.arange(1, self.num_blocks))]
+        self.blocks, o = [], 0
+        for k in need:
+            self.blocks.append(pages[o:o + k])
+            o += k
+        self.spare_blocks = pages[o:]
+        self.spare_slots = sorted(set(range(1, self.num_slots)) - set(self.slots))
+        self.width = max(need) + 2                              # graphs wider than any table
+        c = self.cache = model.alloc_cache(self.num_slots, self.num_blocks, BS)
+        for a in c.conv + c.rec + c.k + c.v:                    # garbage everywhere, then prefill
+            if a.dtype == cupy.uint16:
+                a[...] = cupy.asarray(rng.integers(0, 1 << 16, a.shape, dtype=np.uint16) & 0x3FFF)  # finite, < 2
+            else:
+                a[...] = cupy.asarray(rng.standard_normal(a.shape).astype(np.float32))
+        model.ops.reset_slots(c, self.slots)
+        prompts = [list(rng.integers(0, 248000, L)) for L in self.lens]
+        model.forward(Step.build([(p, 0, s, b) for p, s, b in zip(prompts, self.slots, self.blocks)]), c)
+        cupy.cuda.Device().synchronize()
+
+    def decode_step(self, which, pos_of):
+        """A decode step of sequences `which` (in that order); pos_of[i]: its position now."""
+        toks = self.rng.integers(0, 248000, len(which))
+        return Step.build([([int(t)], pos_of[i], self.slots[i], self.blocks[i]) for t, i in zip(toks, which)])
+
+
+def check_untouched(w, before, after):
+    """Spare slots and spare pages equal their state before the decode steps, bit for bit."""
+    for name in ("conv", "rec"):
+        for a0, a1 in zip(before[name], after[name]):
+            assert np.array_equal(bits(a0[w.spare_slots]), bits(a1[w.spare_slots])), f"{name}: spare slot written"
+    for name in ("k", "v"):
+        for a0, a1 in zip(before[name], after[name]):
+            assert np.array_equal(bits(a0[w.spare_blocks]), bits(a1[w.spare_blocks])), f"{name}: spare page written"
+
+
+def check_equal_state(a, b, what):
+    """Bit-equal everywhere but the dummy slot / page."""
+    for name in ("conv", "rec"):
+        for i, (x, y) in enumerate(zip(a[name], b[name])):
+            assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{what}: {name}[{i}] differs"
+    for name in ("k", "v"):
+        for i, (x, y) in enumerate(zip(a[name], b[name])):
+            assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{what}: {name}[{i}] differs"
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert bucket_sizes(112) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+@pytest.mark.parametrize("B", [1, 3, 5, 33])  # 3 -> 4, 5 -> 8, 33 -> 48 (15 padded rows)
+def test_graph_decode_bit_exact(request, preset, B):
+    model = _model(request, preset)
+    steps = 4
+    w = World(model, B, steps, seed=B * 7 + len(preset))
+    eager_c, plain_c = copy_cache(w.cache), copy_cache(w.cache)
+    before = host(w.cache)
+    graphs = DecodeGraphs(model, w.cache, max_num_seqs=48, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
+                          max_blocks_per_seq=w.width)
+    assert graphs.bucket_for(B) == {1: 1, 3: 4, 5: 8, 33: 48}[B]
+    order = list(range(B))
+    worst = 0.0
+    for s in range(steps):
+        st = w.decode_step(order, [L + s for L in w.lens])
+        got = cupy.asnumpy(graphs.run(st))
+        want = cupy.asnumpy(graphs.eager(st, eager_c))
+        plain = cupy.asnumpy(model.forward(st, plain_c))
+        assert got.shape == (B, model.cfg.vocab_size)
+        assert np.array_equal(bits(got), bits(want)), f"step {s}: replay != eager padded"
+        worst = max(worst, rel(got, plain))
+    g, e, p = host(w.cache), host(eager_c), host(plain_c)
+    check_equal_state(g, e, "replay vs eager padded")
+    check_untouched(w, before, g)
+    # the real sequences' state agrees with the unpadded eager path up to bf16 rounding
+    for x, y in zip(g["rec"], p["rec"]):
+        assert rel(x[w.slots], y[w.slots]) <= 5e-2
+    for name in ("conv", "k", "v"):
+        for x, y in zip(g[name], p[name]):
+            idx = w.slots if name == "conv" else sum(w.blocks, [])
+            assert rel(bf(x[idx]), bf(y[idx])) <= 5e-2
+    print(f"{preset} B={B}: replay vs unpadded eager logits rel err {worst:.2e}")
+    assert worst <= 5e-2
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_graph_mixed_batches(request, preset):
+    """Batches of changing size and order switch buckets between replays (one shared private pool)."""
+    model = _model(request, preset)
+    n, sizes = 7, [5, 3, 7, 1, 4, 2, 6]
+    w = World(model, n, len(sizes), seed=11 + len(preset))
+    eager_c = copy_cache(w.cache)
+    before = host(w.cache)
+    graphs = DecodeGraphs(model, w.cache, max_num_seqs=8, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
+                          max_blocks_per_seq=w.width, capture_now=True)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    pos = list(w.lens)
+    for k in sizes:
+        which = [int(i) for i in w.rng.permutation(n)[:k]]
+        st = w.decode_step(which, pos)
+        got = cupy.asnumpy(graphs.run(st))
+        want = cupy.asnumpy(graphs.eager(st, eager_c))
+        assert np.array_equal(bits(got), bits(want)), f"batch {k}: replay != eager padded"
+        for i in which:
+            pos[i] += 1
+    check_equal_state(host(w.cache), host(eager_c), "replay vs eager padded")
+    check_untouched(w, before, host(w.cache))
+
+
+def test_graph_rejects_non_decode(request):
+    model = _model(request, "tiny")
+    w = World(model, 2, 1, seed=3)
+    graphs = DecodeGraphs(model, w.cache, max_num_seqs=4, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
+                          max_blocks_per_seq=w.width)
+    prefill = Step.build([([1, 2], w.lens[0], w.slots[0], w.blocks[0])])
+    with pytest.raises(ValueError):
+        graphs.run(prefill)
+    dummy = Step.build([([1], w.lens[0], DUMMY_SLOT, w.blocks[0])])
+    with pytest.raises(ValueError):
+        graphs.run(dummy)
+    with pytest.raises(ValueError):
+        graphs.run(Step.build([([1], w.lens[0], w.slots[0], w.blocks[0])] * 5))
