@@ -166,11 +166,12 @@ async def completion_json(ctx, job: Job) -> dict:
             "choices": choices, "usage": job.usage()}
 
 
-async def completion_stream(ctx, job: Job):
+def completion_stream(ctx, job: Job):
     head = {"id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name}
     sent = {c.index: 0 for c in job.choices}   # characters sent, for text_offset
     first = set()
-    try:
+
+    async def chunks():
         async for c, d in steps(ctx, job):
             text = d.text
             if c.index not in first:
@@ -179,16 +180,10 @@ async def completion_stream(ctx, job: Job):
             lp = (_completion_logprobs(c, d, job.g.tokens_as_ids, sent[c.index])
                   if job.g.logprobs is not None else None)
             sent[c.index] += len(text)
-            chunk = dict(head, choices=[{"index": c.index, "text": text, "logprobs": lp,
-                                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
-            yield sse.event(_with_usage(chunk, job))
-        if job.g.include_usage:
-            yield sse.event(dict(head, choices=[], usage=job.usage()))
-    except APIError as e:
-        yield sse.event({"error": e.body()["error"]})
-    except Exception as e:  # noqa: BLE001 - headers are sent: report in band
-        yield sse.event(APIError(500, f"internal error: {e}").body())
-    yield sse.DONE
+            yield dict(head, choices=[{"index": c.index, "text": text, "logprobs": lp,
+                                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+
+    return _sse(chunks(), head, job)
 
 
 def _with_usage(chunk: dict, job: Job) -> dict:
@@ -225,17 +220,18 @@ async def chat_json(ctx, job: Job) -> dict:
             "choices": choices, "usage": job.usage()}
 
 
-async def chat_stream(ctx, job: Job):
+def chat_stream(ctx, job: Job):
     head = {"id": job.rid, "object": "chat.completion.chunk", "created": job.created, "model": ctx.model_name}
     started = set()
-    try:
+
+    async def chunks():
         async for c, d in steps(ctx, job):
             if c.index not in started:
                 # The role chunk goes out with the first token, never at receipt (client TTFT).
                 started.add(c.index)
                 role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}
-                yield sse.event(_with_usage(dict(head, choices=[role]), job))
+                yield dict(head, choices=[role])
             delta = {}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning
@@ -246,7 +242,17 @@ async def chat_stream(ctx, job: Job):
                       if job.g.logprobs is not None else None, "finish_reason": d.finish_reason}
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
-            yield sse.event(_with_usage(dict(head, choices=[choice]), job))
+            yield dict(head, choices=[choice])
+
+    return _sse(chunks(), head, job)
+
+
+async def _sse(chunks, head: dict, job: Job):
+    """The framing both streams share: each chunk (with "usage": null when usage is on), the final
+    usage chunk, an in-band error once headers are out, and [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield sse.event(_with_usage(chunk, job))
         if job.g.include_usage:
             yield sse.event(dict(head, choices=[], usage=job.usage()))
     except APIError as e:

@@ -14,11 +14,13 @@ def tiny3_dir(tmp_path_factory):
 
 
 def gpu_or_skip():
+    """CuPy with a usable device, or skip (a test, a fixture's users, or a whole module)."""
     cupy = pytest.importorskip("cupy")
     try:
         assert cupy.cuda.runtime.getDeviceCount() > 0
     except Exception as e:  # noqa: BLE001 - no driver, no device: skip, don't fail
-        pytest.skip(f"no usable CUDA device ({e})")
+        pytest.skip(f"no usable CUDA device ({e})", allow_module_level=True)
+    return cupy
 
 
 @pytest.fixture(scope="session")

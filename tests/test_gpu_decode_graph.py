@@ -8,12 +8,9 @@ result must agree with the ordinary unpadded eager forward up to bf16 rounding.
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError("no GPU")
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"no usable CUDA device ({e})", allow_module_level=True)
+from conftest import gpu_or_skip  # noqa: E402
+
+cupy = gpu_or_skip()
 
 from engine.backend_cuda import CudaBackend  # noqa: E402
 from engine.backend_numpy import Cache  # noqa: E402

@@ -15,14 +15,13 @@ import os
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
+from conftest import gpu_or_skip  # noqa: E402
+
+cupy = gpu_or_skip()
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1 or not torch.cuda.is_available():
-        raise RuntimeError("no GPU")
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"no usable CUDA device ({e})", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
 
 from engine.backend_cuda import CudaBackend  # noqa: E402
 from engine.checkpoint import make_model  # noqa: E402

@@ -7,12 +7,9 @@ element fails. Tolerance: max|diff| / max|ref| <= 2e-2 for bf16 outputs; f32 sta
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError("no GPU")
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"no usable CUDA device ({e})", allow_module_level=True)
+from conftest import gpu_or_skip  # noqa: E402
+
+cupy = gpu_or_skip()
 
 from engine.backend_cuda import CudaBackend  # noqa: E402
 from engine.backend_numpy import Cache, NumpyBackend  # noqa: E402
