@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,7 @@ from .state_slots import StateSlotPool
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .weights import load_weights
 
+log = logging.getLogger("qwen35.engine")
 __all__ = ["Engine", "EngineArgs", "RequestStream", "EngineDeadError", "AdmissionError", "OverloadedError"]
 
 
@@ -159,6 +161,11 @@ class Engine:
                                    max_num_batched_tokens=a.max_num_batched_tokens,
                                    max_waiting_requests=a.max_waiting_requests)
         cache = model.alloc_cache(num_slots, self.kv.num_blocks, a.block_size)
+        gib = 1 / (1 << 30)
+        log.info("memory plan (%s): weights %.2f GiB; step activations for %d tokens; %d state slots x %.1f MiB "
+                 "= %.2f GiB; %d KV blocks x %d tokens = %.2f GiB", backend.name, model.weight_bytes() * gib,
+                 a.max_num_batched_tokens, num_slots, slot_bytes / (1 << 20), num_slots * slot_bytes * gib,
+                 self.kv.num_blocks, a.block_size, self.kv.num_blocks * block_bytes * gib)
         graphs = None
         if backend.name == "cuda" and not a.enforce_eager:
             from .decode_graph import DecodeGraphs

@@ -38,6 +38,11 @@ class Qwen35Model:
                           "o_proj": up(w(p + "o_proj.weight"))}
             self.layers.append(layer)
 
+    def weight_bytes(self) -> int:
+        arrays = {id(a): a for a in [self.embed, self.lm_head, self.norm]
+                  + [v for L in self.layers for v in L.values() if hasattr(v, "nbytes")]}
+        return sum(a.nbytes for a in arrays.values())
+
     def alloc_cache(self, num_slots: int, num_blocks: int, block_size: int):
         return self.ops.alloc_cache(self.cfg, num_slots, num_blocks, block_size)
 
