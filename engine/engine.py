@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
@@ -50,6 +52,7 @@ class EngineArgs:
     max_logprobs: int = 20
     seed: int = 0                             # for requests without a seed
     enforce_eager: bool = False               # CUDA: no decode-step graphs
+    trace_steps: str | None = None            # JSONL path: one line per step (kind, sizes, timings)
 
 
 @dataclass
@@ -183,6 +186,8 @@ class Engine:
         self._ids = itertools.count()
         self.dead: BaseException | None = None
         self._stop = False
+        self._trace = open(a.trace_steps, "a", buffering=1) if a.trace_steps else None
+        self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
         if start:
             self._thread.start()
@@ -278,9 +283,13 @@ class Engine:
     def step(self, block: bool = False) -> None:
         """One step boundary: take messages, schedule, run the forward, emit events."""
         self._drain(block and not self._requests)
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return
+        t1 = time.perf_counter()
+        decode_rows = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
+        prefill_tokens = sum(n for req, n in batch if req.num_computed < len(req.prompt_ids))
         with self._lock:
             self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
         try:
@@ -294,11 +303,21 @@ class Engine:
             self.scheduler.advance(req, n)
             self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
                                              max(req.num_computed - n, 0))
+        t2 = time.perf_counter()
         for req, res in results:
             if isinstance(res, Exception):
                 self._finish(req, "error", error=f"{type(res).__name__}: {res}")
             else:
                 self._on_token(req, res)
+        if self._trace is not None:
+            t3 = time.perf_counter()
+            kind = "decode" if not prefill_tokens else ("prefill" if not decode_rows else "mixed")
+            self._trace.write(json.dumps({
+                "t": t0, "kind": kind, "batch": len(batch), "decode_rows": decode_rows,
+                "prefill_tokens": prefill_tokens, "schedule_ms": (t1 - t0) * 1e3,
+                "runner_ms": (t2 - t1) * 1e3,  # forward (synchronised by the logits copy) + sampling
+                "deliver_ms": (t3 - t2) * 1e3, "idle_ms": (t0 - self._last_step_end) * 1e3}) + "\n")
+            self._last_step_end = t3
 
     def _drain(self, block: bool) -> None:
         try:

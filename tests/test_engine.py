@@ -342,3 +342,19 @@ def test_shutdown_ends_outstanding_requests(tiny_dir):
     rid = eng.submit([1, 2], SamplingParams(max_tokens=2000, ignore_eos=True), col)
     eng.shutdown()
     assert col.last(rid).finished and "shut down" in col.last(rid).error
+
+
+def test_step_trace(tiny_dir, tmp_path):
+    import json
+    path = tmp_path / "steps.jsonl"
+    eng, col = make(tiny_dir, max_num_seqs=4, max_num_batched_tokens=16, trace_steps=str(path))
+    a = eng.submit(prompt(1, 5), SamplingParams(max_tokens=6, **GREEDY), col)
+    eng.step()
+    b = eng.submit(prompt(2, 40), SamplingParams(max_tokens=2, **GREEDY), col)  # chunks while a decodes
+    drive(eng, col, [a, b])
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert steps[0]["kind"] == "prefill" and steps[0]["prefill_tokens"] == 5
+    mixed = [s for s in steps if s["kind"] == "mixed"]
+    assert mixed and all(s["decode_rows"] == 1 and 0 < s["prefill_tokens"] <= 15 for s in mixed)
+    assert steps[-1]["kind"] == "decode"
+    assert all(s["runner_ms"] >= 0 and s["idle_ms"] >= 0 for s in steps)
