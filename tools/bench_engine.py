@@ -1,0 +1,90 @@
+"""In-process engine benchmark (no HTTP): the same random workload as bench_serving at several
+concurrency levels, reporting TTFT, TPOT (vLLM's definitions), output tokens/s and the fraction of
+wall time the engine spent in the runner (forward + sampling), read from the step trace.
+
+    python tools/bench_engine.py MODEL_DIR --input-len 1024 --output-len 256 --concurrency 1,4,8,16,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine import SamplingParams  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+
+
+async def _one(eng: Engine, ids, params, out: list) -> None:
+    st = time.perf_counter()
+    ttft, last, n = None, st, 0
+    async for o in eng.add_request(ids, params):
+        if o.new_token_ids:
+            now = time.perf_counter()
+            ttft = now - st if ttft is None else ttft
+            last, n = now, n + len(o.new_token_ids)
+    out.append((ttft or 0.0, last - st, n))
+
+
+async def _level(eng, prompts, params, concurrency):
+    sem, res = asyncio.Semaphore(concurrency), []
+
+    async def guarded(p):
+        async with sem:
+            await _one(eng, p, params, res)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[guarded(p) for p in prompts])
+    return res, time.perf_counter() - t0
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--concurrency", default="1,4,8,16,32,64")
+    ap.add_argument("--prompts-per-level", type=int, default=0, help="default: 2 x concurrency (at least 4)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    levels = [int(c) for c in a.concurrency.split(",")]
+    trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
+                 max_model_len=a.input_len + a.output_len + 16, max_num_batched_tokens=max(2048, max(levels)))
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    asyncio.run(_level(eng, [rng.integers(0, 200000, a.input_len).tolist()], params, 1))  # warm-up
+    for c in levels:
+        n = a.prompts_per_level or max(4, 2 * c)
+        prompts = [rng.integers(0, 200000, a.input_len).tolist() for _ in range(n)]
+        start = time.perf_counter()
+        res, wall = asyncio.run(_level(eng, prompts, params, c))
+        steps = [json.loads(s) for s in trace.read_text().splitlines()]
+        steps = [s for s in steps if s["t"] >= start]
+        ttft = [r[0] for r in res]
+        tpot = [(r[1] - r[0]) / (r[2] - 1) for r in res if r[2] > 1]
+        decode = [s["runner_ms"] for s in steps if s["kind"] == "decode" and s["decode_rows"] == c]
+        rows.append({"concurrency": c, "requests": n, "mean_ttft_ms": 1e3 * float(np.mean(ttft)),
+                     "median_tpot_ms": 1e3 * float(np.median(tpot)), "mean_tpot_ms": 1e3 * float(np.mean(tpot)),
+                     "output_tok_s": sum(r[2] for r in res) / wall,
+                     "runner_busy_frac": sum(s["runner_ms"] for s in steps) / 1e3 / wall,
+                     "full_batch_decode_step_ms": float(np.median(decode)) if decode else None})
+        r = rows[-1]
+        print(f"c={c:3d}  TTFT {r['mean_ttft_ms']:8.1f} ms  TPOT {r['median_tpot_ms']:7.2f} ms  "
+              f"{r['output_tok_s']:8.1f} tok/s  busy {r['runner_busy_frac']:.2f}", flush=True)
+    eng.shutdown()
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
