@@ -34,7 +34,8 @@ class ServerProcess:
         self.returncode = None
 
     def __enter__(self) -> "ServerProcess":
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # keep the caller's PYTHONPATH (e.g. wheels installed into a side folder on the GPU machine)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
