@@ -19,14 +19,14 @@ from typing import Callable
 import numpy as np
 
 from .config import ModelConfig
-from .kv_blocks import KVBlockManager
+from .kv_blocks import DUMMY_BLOCK, KVBlockManager
 from .model import Qwen35Model
 from .request import Request, RequestOutput, Status, StopStringBuffer, TokenLogprob
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import AdmissionError, OverloadedError, Scheduler
-from .state_slots import StateSlotPool
+from .state_slots import DUMMY_SLOT, StateSlotPool
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .weights import load_weights
 
@@ -172,7 +172,7 @@ class Engine:
         graphs = None
         if backend.name == "cuda" and not a.enforce_eager:
             from .decode_graph import DecodeGraphs
-            graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=0, dummy_block=0,
+            graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
                                   max_blocks_per_seq=-(-max_len // a.block_size))
         self.runner = ModelRunner(model, cache, Sampler(a.seed), graphs)
         self.max_model_len = max_len
@@ -288,8 +288,9 @@ class Engine:
         if not batch:
             return
         t1 = time.perf_counter()
-        decode_rows = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
-        prefill_tokens = sum(n for req, n in batch if req.num_computed < len(req.prompt_ids))
+        if self._trace is not None:  # sizes before advance() moves num_computed
+            decode_rows = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
+            prefill_tokens = sum(n for req, n in batch if req.num_computed < len(req.prompt_ids))
         with self._lock:
             self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
         try:
