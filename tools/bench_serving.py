@@ -72,10 +72,13 @@ def random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
 
 # ---- one request (§9.7) -------------------------------------------------------------------------
 async def send_completion(client, url: str, model: str, req: RequestInput, extra: dict, request_id: str,
-                          headers: dict) -> RequestResult:
+                          headers: dict, res: RequestResult | None = None) -> RequestResult:
+    """One streamed request. `res` (optional) is filled in as events arrive, so a caller that
+    cancels the task still has the timings received so far."""
     body = {"model": model, "prompt": req.prompt, "repetition_penalty": 1.0, "max_tokens": req.output_len,
             "logprobs": None, "stream": True, "stream_options": {"include_usage": True}} | extra
-    res = RequestResult(prompt_len=req.prompt_len)
+    res = res if res is not None else RequestResult()
+    res.prompt_len = req.prompt_len
     st = time.perf_counter()
     res.start_time = st
     last = st
@@ -156,11 +159,16 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
     return m
 
 
+def event_times(r: RequestResult) -> np.ndarray:
+    """perf_counter times of a request's `choices` events: start + TTFT, then + cumsum(ITL)."""
+    return r.start_time + r.ttft + np.concatenate([[0.0], np.cumsum(r.itl)])
+
+
 def _peak_output_rate(ok: list[RequestResult]) -> float:
     if not ok:
         return 0.0
     t0 = min(r.start_time for r in ok)
-    times = [t for r in ok for t in (r.start_time + r.ttft + np.concatenate([[0.0], np.cumsum(r.itl)]))]
+    times = [t for r in ok for t in event_times(r)]
     return float(np.bincount(((np.asarray(times) - t0)).astype(np.int64)).max())
 
 
@@ -280,9 +288,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--label", default=None)
     ap.add_argument("--api-key", default=None)
     a = ap.parse_args(argv)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(a.tokenizer) / "tokenizer.json"))
+    tok = load_tokenizer(a.tokenizer)
     reqs = random_dataset(tok, a.num_prompts, a.random_input_len, a.random_output_len, a.seed, a.random_range_ratio)
     bad = [r.prompt_len for r in reqs if r.prompt_len != a.random_input_len] if a.random_range_ratio == 0 else []
     if bad:
@@ -295,29 +301,47 @@ def main(argv=None) -> dict:
     pcts = [float(p) for p in a.metric_percentiles.split(",")]
     m = calculate_metrics(results, duration, pcts, tok)
     print(format_result(m, a.max_concurrency, a.request_rate, pcts))
-    errors = [r.error for r in results if not r.success]
-    for e in errors[:10]:
+    for e in [r.error for r in results if not r.success][:10]:
         print("failed:", e, file=sys.stderr)
-    out_lens = [r.output_tokens for r in results if r.success]
-    m |= {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai", "backend": "openai",
-          "label": a.label, "model_id": model, "tokenizer_id": a.tokenizer, "num_prompts": a.num_prompts,
-          "request_rate": "inf" if a.request_rate == float("inf") else a.request_rate, "burstiness": a.burstiness,
-          "max_concurrency": a.max_concurrency, "input_lens": [r.prompt_len for r in results],
-          "output_lens": [r.output_tokens for r in results], "errors": errors,
-          "requested_input_len": a.random_input_len, "requested_output_len": a.random_output_len,
-          "output_len_mismatches": sum(1 for n in out_lens if n != a.random_output_len) if a.ignore_eos else None,
-          "output_hashes": [hashlib.sha1(r.generated_text.encode()).hexdigest()[:12] for r in results],
-          "metric_rules": "vllm bench serve (newer: usage.prompt_tokens as input length, last choices event as end)"}
+    m |= result_fields(results, label=a.label, model=model, tokenizer_id=a.tokenizer, num_prompts=a.num_prompts,
+                       request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency,
+                       input_len=a.random_input_len, output_len=a.random_output_len, ignore_eos=a.ignore_eos)
     if a.result_file:
         Path(a.result_file).write_text(json.dumps(m, indent=1))
     return m
 
 
-def _first_model(base_url: str, api_key) -> str:
+def result_fields(results: list[RequestResult], *, label, model, tokenizer_id, num_prompts, request_rate, burstiness,
+                  max_concurrency, input_len, output_len, ignore_eos) -> dict:
+    """The run description and per-request keys of a saved result (§9.10), beside calculate_metrics'."""
+    out_lens = [r.output_tokens for r in results if r.success]
+    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai", "backend": "openai",
+            "label": label, "model_id": model, "tokenizer_id": tokenizer_id, "num_prompts": num_prompts,
+            "request_rate": "inf" if request_rate == float("inf") else request_rate, "burstiness": burstiness,
+            "max_concurrency": max_concurrency, "input_lens": [r.prompt_len for r in results],
+            "output_lens": [r.output_tokens for r in results], "errors": [r.error for r in results if not r.success],
+            "requested_input_len": input_len, "requested_output_len": output_len,
+            "output_len_mismatches": sum(1 for n in out_lens if n != output_len) if ignore_eos else None,
+            "output_hashes": [hashlib.sha1(r.generated_text.encode()).hexdigest()[:12] for r in results],
+            "metric_rules": "vllm bench serve (newer: usage.prompt_tokens as input length, last choices event as end)"}
+
+
+def load_tokenizer(path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+
+
+def server_model(base_url: str, api_key=None) -> dict:
+    """GET /v1/models data[0] (its `id` is the model to send, `root` where a tokenizer may be)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers).json()["data"][0]["id"]
+    return httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers).json()["data"][0]
+
+
+def _first_model(base_url: str, api_key) -> str:
+    return server_model(base_url, api_key)["id"]
 
 
 if __name__ == "__main__":

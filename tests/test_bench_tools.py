@@ -1,0 +1,146 @@
+"""tools/bench_matrix.py and tools/bench_mixed.py: their metric code on synthetic timelines, and both
+tools end to end against a real local server on the tiny model (scaled-down cells)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_matrix as bm  # noqa: E402
+import bench_mixed as bx  # noqa: E402
+import bench_serving as bs  # noqa: E402
+from server_util import ServerProcess  # noqa: E402
+
+
+# ---- bench_matrix units ---------------------------------------------------------------------------
+def test_matrix_cells_and_their_default_sizes():
+    cells = {c.name: c for c in bm.select_cells(None)}
+    assert len(cells) == 16
+    assert cells["1024x128-qps4-c64"] == bm.Cell("1024x128-qps4-c64", 1024, 128, 64, 4.0)
+    assert cells["1024x256-c128"].rate == float("inf") and cells["1x256-c16"].input_len == 1
+    assert cells["1024x256-c64"].default_num_prompts(30) == 128 and cells["1x256-c1"].default_num_prompts(30) == 8
+    assert cells["1024x128-qps16-c64"].default_num_prompts(30) == 480
+    assert cells["1024x128-qps1-c64"].default_num_prompts(5) == 8
+    assert [c.name for c in bm.select_cells("8192x256-*, *qps1-*,1024x256-c1")] == \
+        ["8192x256-c1", "8192x256-c8", "1024x128-qps1-c64", "1024x256-c1"]
+    assert bm.select_cells("64x16-qps0.5-c2") == [bm.Cell("64x16-qps0.5-c2", 64, 16, 2, 0.5)]  # an extra cell
+    with pytest.raises(ValueError):
+        bm.select_cells("1024x256")
+
+
+def test_median_over_repetitions_sums_counts():
+    reps = [{"completed": 8, "failed": 0, "p99_ttft_ms": 10.0, "label": "x", "request_goodput": None},
+            {"completed": 7, "failed": 1, "p99_ttft_ms": 30.0},
+            {"completed": 0, "failed": 8, "errors": ["HTTP 503"]},  # a repetition that died: no metrics
+            {"completed": 8, "failed": 0, "p99_ttft_ms": 20.0}]
+    med = bm.median_metrics(reps)
+    assert med == {"completed": 23, "failed": 9, "p99_ttft_ms": 20.0}
+
+
+def _doc():
+    m = {"completed": 4, "failed": 0, "request_throughput": 2.0, "output_throughput": 64.0, "mean_ttft_ms": 5.0,
+         "p99_ttft_ms": 9.0, "mean_tpot_ms": 3.0, "p99_tpot_ms": 4.0, "p99_itl_ms": 6.0, "mean_e2el_ms": 99.0}
+    cells = [{"name": n, "input_len": 32, "output_len": 8, "concurrency": c, "rate": r, "num_prompts": 4,
+              "reps": [m | {"errors": []}], "median": dict(m)} for n, c, r in
+             [("32x8-c1", 1, "inf"), ("32x8-c2", 2, "inf"), ("32x8-qps2-c4", 4, 2.0), ("32x8-qps4-c4", 4, 4.0)]]
+    cells[1]["reps"][0]["errors"] = ["HTTP 500: boom"]
+    return {"meta": {"base_url": "http://x", "model": "tiny", "label": None, "date": "d", "repetitions": 1,
+                     "ignore_eos": True}, "cells": cells}
+
+
+def test_matrix_markdown_and_plots(tmp_path):
+    md = bm.markdown(_doc())
+    assert "| 32x8-c2 | 4/0 | 2.00 | 64.00 | 5.00 | 9.00 | 3.00 | 4.00 | 6.00 | 99.00 |" in md
+    assert "- 32x8-c2: HTTP 500: boom" in md
+    assert list(bm._series(_doc(), True)) == ["32x8 c4"] and [x for x, _ in bm._series(_doc(), False)["32x8"]] == [1, 2]
+    written = bm.plot(_doc(), tmp_path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert written == []
+    else:
+        assert {p.name for p in written} == {"throughput_vs_concurrency.png", "tpot_vs_concurrency.png",
+                                             "latency_vs_qps.png"}
+
+
+# ---- bench_mixed units ------------------------------------------------------------------------------
+def _stream(start, ttft, itl):
+    return bs.RequestResult(success=True, start_time=start, ttft=ttft, itl=list(itl), latency=ttft + sum(itl))
+
+
+def test_window_gaps_take_gaps_ending_inside_the_window():
+    a = _stream(0.0, 1.0, [0.1, 0.1, 0.5, 0.1])     # tokens at 1.0 1.1 1.2 1.7 1.8
+    b = _stream(0.5, 0.6, [0.3, 0.3])               # tokens at 1.1 1.4 1.7
+    c = bs.RequestResult(start_time=0.0)            # never got a token
+    gaps = bx.window_gaps([a, b, c], 1.15, 1.75)
+    assert sorted(gaps) == pytest.approx([0.1, 0.3, 0.3, 0.5])
+
+
+def _step(kind, decode_rows, prefill_tokens, runner_ms=10.0):
+    return {"kind": kind, "decode_rows": decode_rows, "prefill_tokens": prefill_tokens, "runner_ms": runner_ms}
+
+
+def test_validity_needs_a_prefill_beside_the_full_background():
+    steps = [_step("decode", 4, 0, 8.0), _step("mixed", 3, 512, 50.0), _step("prefill", 0, 900, 60.0),
+             _step("decode", 4, 0, 9.0)]
+    s = bx.trace_summary(steps, 4)
+    assert not s["valid"] and s["max_decode_rows"] == 4 and s["median_full_decode_step_ms"] == 8.5
+    s = bx.trace_summary(steps + [_step("mixed", 4, 1024, 90.0)], 4)
+    assert s["valid"] and s["valid_steps"] == 1 and s["max_valid_step_ms"] == 90.0
+    assert not bx.trace_summary([], 4)["valid"]
+
+
+def test_saturation_reasons():
+    assert bx.saturation(10, 10, [0.3] * 10, 0.5, 20.0, 0.014, 0.013) == []
+    why = bx.saturation(10, 9, [0.3] * 9, 0.5, 20.0, 0.014, 0.013)
+    assert why == ["9/10 injected requests completed"]
+    assert "longer than the 20 s window" in bx.saturation(4, 4, [0.3, 25.0, 0.3, 0.3], 0.1, 20.0, 0.014, 0.013)[0]
+    assert bx.saturation(10, 10, [1.2] * 10, 1.0, 20.0, 0.014, 0.013) == ["qps x mean injected TTFT = 1.20 >= 1"]
+    assert "mixed ITL p50" in bx.saturation(10, 10, [0.3] * 10, 0.5, 20.0, 0.030, 0.013)[0]
+
+
+# ---- end to end on the tiny model ---------------------------------------------------------------------
+def test_matrix_end_to_end(tiny_dir, tmp_path):
+    with ServerProcess(tiny_dir) as srv:
+        doc = bm.main(["--base-url", srv.url, "--cells", "32x8-c1,32x8-c2", "--num-prompts", "3", "--repetitions",
+                       "1", "--num-warmups", "0", "--ignore-eos", "--label", "tiny-cpu", "--out-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "matrix.json").read_text())
+    assert saved == json.loads(json.dumps(doc)) and saved["meta"]["tokenizer"] == str(tiny_dir)
+    assert [c["name"] for c in saved["cells"]] == ["32x8-c1", "32x8-c2"]
+    for c in saved["cells"]:
+        (rep,) = c["reps"]
+        assert (rep["completed"], rep["failed"], rep["errors"]) == (3, 0, [])
+        assert rep["output_lens"] == [8, 8, 8] and rep["input_lens"] == [32, 32, 32]
+        assert rep["max_concurrency"] == c["concurrency"] and rep["p99_itl_ms"] > 0
+        assert c["median"]["completed"] == 3 and c["median"]["mean_tpot_ms"] == rep["mean_tpot_ms"]
+    md = (tmp_path / "matrix.md").read_text()
+    assert "tiny-cpu" in md and "| 32x8-c1 | 3/0 |" in md and "| 32x8-c2 | 3/0 |" in md
+    (tmp_path / "matrix.md").unlink()
+    bm.main(["--from-json", str(tmp_path / "matrix.json")])
+    assert (tmp_path / "matrix.md").read_text() == md
+
+
+MIXED = ["--background", "2", "--bg-input-len", "16", "--bg-output-len", "64", "--inject-lens", "128",
+         "--qps", "2", "--duration", "1.5", "--baseline-s", "0.3", "--warmups", "0", "--cooldown", "0"]
+
+
+@pytest.mark.parametrize("seqs,valid", [(4, True), (2, False)], ids=["max-seqs-4", "negative-control-max-seqs-2"])
+def test_mixed_gate_validity(tiny_dir, tmp_path, seqs, valid):
+    """With room beside the 2 background streams an injected prefill meets the full decode batch;
+    with --max-num-seqs 2 it can only run after a background stream ended: invalid."""
+    label = f"seqs{seqs}"
+    (cell,) = bx.main(["--launch", str(tiny_dir), "--server-args", f"--device cpu --max-num-seqs {seqs}",
+                       "--label", label, "--out-dir", str(tmp_path), *MIXED])
+    assert cell["valid"] is valid and cell["trace"]["steps"] > 0
+    assert (cell["injected"], cell["completed"], cell["failed"]) == (3, 3, 0)
+    assert cell["itl_samples"] > 0 and cell["itl_p50_ms"] <= cell["itl_p99_ms"] <= cell["itl_max_ms"]
+    assert cell["injected_metrics"]["mean_ttft_ms"] > 0 and cell["bg_failed"] == 0
+    if valid:
+        assert cell["trace"]["valid_steps"] >= 1
+    else:
+        assert cell["trace"]["max_decode_rows"] <= 2 and cell["trace"]["valid_steps"] == 0
+    saved = json.loads((tmp_path / f"mixed-{label}.json").read_text())
+    assert saved["cells"][0]["valid"] is valid
+    row = (tmp_path / f"mixed-{label}.md").read_text().splitlines()[2]
+    assert row.startswith(f"| {label} | 2 | 128 | {'yes' if valid else 'no'} |") and row.endswith("| 3/0 |")
