@@ -23,8 +23,8 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from .backend_numpy import Cache
-from .gemm import gemm
+from .backend_numpy import Cache, argmax_finite
+from .gemm import gemm, get_gemm
 from .step import Step
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
@@ -52,19 +52,56 @@ LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): t
 GDN_DK = (32, 64, 128)
 ATTN_HD = (64, 128, 256)
 ATTN_G = (1, 2, 3, 4, 6, 8)
+GEMV_MAX_M = 16  # linear() runs cuda/gemv.cu (tensor-core GEMV) for 1 <= M <= this, cublasLt above
+# (MT, R, U, PF) instantiated in cuda/gemv.cu: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per
+# load batch, L2 256-byte prefetch hint on W loads
+GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0))
+GEMV_KERNELS = [f"gemv_bf16<{mt}, {r}, {u}, {pf}, {f}>" for mt, r, u, pf in GEMV_VARIANTS for f in (0, 1)]
+
+
+def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, int]:
+    """(kernel, blocks, warps per block, shared bytes) for cuda/gemv.cu (tuned on an H200 at the 4B
+    shapes, graph-timed). The warps per block NW (the K split, hence the summation order) depend on
+    (N, K) only, never on M, so a row's result is the same in any batch of <= GEMV_MAX_M rows; the
+    variant changes no result.
+    NW: >= ~2560 warps in all (N = 2560 has only 160 row groups: 16 warps), >= 4 steps of 32 k each.
+    Few row groups (NW >= 8) need every block resident at once (one wave): U = 2 at M <= 4 (50 regs,
+    2 blocks of 16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the
+    256-byte L2 prefetch up to M = 8 (74 regs); U = 2 at M = 16 (64 regs, vs 94 for U = 4)."""
+    groups = -(-N // 16)
+    nw = max(1, min(16, (K // 32) // 4, max(4, -(-2560 // groups))))
+    if nw >= 8:
+        v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
+    else:
+        v = (1, 1, 4, 1) if M <= 8 else (2, 1, 2, 0)
+    mt, r, u, pf = v
+    return (f"gemv_bf16<{mt}, {r}, {u}, {pf}, {int(f32_out)}>", -(-N // (16 * r)), nw,
+            nw * 16 * r * 8 * mt * 4)
 
 
 def _fn(file: str, name: str):
     if file == "gdn.cu":
-        mod = _module(file, [f"gdn_recurrent<{d}>" for d in GDN_DK])
+        mod = _module(file, [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state")
+                             for d in GDN_DK])
     elif file == "attention.cu":
         mod = _module(file, [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G])
+    elif file == "gemv.cu":
+        mod = _module(file, GEMV_KERNELS)
     else:
         mod = _module(file)
     return mod.get_function(name)
 
 
 i32, i64, f32 = np.int32, np.int64, np.float32
+GDN_CHUNK = 64  # tokens per chunk of the WY prefill form (GDN_C in gdn.cu)
+_SMEM_SET: dict[int, tuple] = {}  # id(kernel) -> (kernel, bytes); holding the kernel keeps its id unique
+
+
+def _max_smem(fn, nbytes: int) -> None:
+    """Opt a kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
+    if _SMEM_SET.get(id(fn), (None, 0))[1] < nbytes:
+        fn.max_dynamic_shared_size_bytes = nbytes
+        _SMEM_SET[id(fn)] = (fn, nbytes)
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -88,6 +125,9 @@ class Meta:
     tok_seq: cupy.ndarray
     logits_rows: cupy.ndarray
     block_tables: cupy.ndarray  # [B, width]
+    # attention()'s prefill work list for this step, built on first use: (G, step, tiles [n, 4] int32 or
+    # None, number of leading single-token sequences)
+    prefill_tiles: tuple | None = None
 
 
 class CudaBackend:
@@ -97,6 +137,9 @@ class CudaBackend:
         self.poison = poison  # tests: fill every fresh output with NaN so unwritten elements show
         self._inv_freq: dict[tuple, cupy.ndarray] = {}
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
+        # long after start-up): device memory in use is then flat from the first request on.
+        get_gemm()
 
     def _empty(self, shape, dtype=cupy.uint16):
         a = cupy.empty(shape, dtype)
@@ -199,6 +242,19 @@ class CudaBackend:
             return cupy.asnumpy(x).astype(np.float32, copy=False)
         return np.asarray(x, np.float32)
 
+    def argmax_finite(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """NumPy's argmax_finite for f32 logits rows on the device: one launch (cuda/argmax.cu), and only
+        [B, 2] int32 crosses to the host. Host arrays (a test hook's) take the NumPy path."""
+        if isinstance(x, np.ndarray):
+            return argmax_finite(x)
+        assert x.dtype == cupy.float32 and x.ndim == 2 and x.strides[1] == 4, (x.dtype, x.strides)
+        B, V = x.shape
+        out = cupy.empty((B, 2), cupy.int32)
+        if B:
+            _fn("argmax.cu", "argmax_finite_kernel")((B,), (512,), (x, i64(x.strides[0] // 4), i32(V), out))
+        h = out.get()
+        return h[:, 0].astype(np.int64), h[:, 1].astype(bool)
+
     # ---- ops ---------------------------------------------------------------------------
     def _gather(self, table: cupy.ndarray, idx: cupy.ndarray) -> cupy.ndarray:
         n, H = idx.size, table.shape[1]
@@ -233,9 +289,24 @@ class CudaBackend:
         return y, res
 
     def linear(self, x, w):
-        """bf16 out, except f32 for the lm_head (the only weight with >= LOGITS_ROWS rows): logits of
-        magnitude ~10 would lose up to 0.03 nat to bf16 rounding."""
-        return gemm(x, w, f32_out=w.shape[0] >= LOGITS_ROWS)
+        """y = x @ w^T. bf16 out, except f32 for the lm_head (the only weight with >= LOGITS_ROWS rows):
+        logits of magnitude ~10 would lose up to 0.03 nat to bf16 rounding. Decode-sized M (1..GEMV_MAX_M)
+        runs the weight-streaming tensor-core GEMV of cuda/gemv.cu (bit-identical rows whatever M; an x
+        view its 16-byte loads cannot read in place is copied first); larger M, K % 8 != 0 or an unaligned
+        weight go to cublasLt."""
+        f32_out = w.shape[0] >= LOGITS_ROWS
+        M, K = x.shape
+        N = w.shape[0]
+        if (1 <= M <= GEMV_MAX_M and x.dtype == cupy.uint16 and w.dtype == cupy.uint16 and w.shape[1] == K
+                and K % 8 == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0):
+            if x.strides[1] != 2 or x.data.ptr % 16 or (M > 1 and x.strides[0] % 16):
+                x = x.copy()  # 16-byte x loads (a fresh, aligned copy; the engine's inputs never need one)
+            name, blocks, nw, smem = _gemv_plan(M, N, K, f32_out)
+            out = self._empty((M, N), cupy.float32 if f32_out else cupy.uint16)
+            sx = i64(x.strides[0] // 2) if M > 1 else i64(K)
+            _fn("gemv.cu", name)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
+            return out
+        return gemm(x, w, f32_out=f32_out)
 
     def silu_mul(self, gate_up):
         T, F2 = gate_up.shape
@@ -266,18 +337,39 @@ class CudaBackend:
         return out
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
-        """Token-recurrent gated delta rule for every sequence (decode and prefill alike)."""
+        """Gated delta rule for every sequence: the token recurrence when every sequence brings one
+        token (decode), else the chunked WY form (prefill, chunked prefill, mixed steps)."""
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
         assert dk in GDN_DK and dv % 32 == 0 and nv % nk == 0 and state.dtype == cupy.float32
         assert A_log.dtype == cupy.float32 and dt_bias.dtype == cupy.float32
         out = self._empty((T, nv * dv))
-        if T:
+        if not T:
+            return out
+        if T == meta.B:
             _fn("gdn.cu", f"gdn_recurrent<{dk}>")(
                 (dv // 32, nv, meta.B), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots, out,
                  i32(nk), i32(nv), i32(dv)))
+            return out
+        C = GDN_CHUNK
+        W, Qs, Ks = (self._empty((T, nv, dk), cupy.float32) for _ in range(3))
+        U = self._empty((T, nv, dv), cupy.float32)
+        P = self._empty((T, nv, C), cupy.float32)
+        aux = self._empty((T, nv, 4), cupy.float32)
+        n_chunks = -(-int(np.diff(meta.step.cu_seqlens).max()) // C)
+        prep = _fn("gdn.cu", f"gdn_chunk_prep<{dk}>")
+        smem = 4 * (max(2 * C * (dk + 1), C * (dk + dv)) + C * 65 + 2 * C)
+        _max_smem(prep, smem)
+        prep((n_chunks, nv, meta.B), (256,),
+             (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, meta.cu_seqlens, W, U, P, Qs, Ks, aux,
+              i32(nk), i32(nv), i32(dv)), shared_mem=smem)
+        run = _fn("gdn.cu", f"gdn_chunk_state<{dk}>")
+        smem = 4 * (dk * 32 + 3 * C * dk + C * C + 2 * C * 32)
+        _max_smem(run, smem)
+        run((dv // 32, nv, meta.B), (512 if dk >= 64 else 256,),  # gdn_state_warps() in gdn.cu
+            (W, U, P, Qs, Ks, aux, state, meta.cu_seqlens, meta.slots, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
     def gated_rms_norm(self, o, z, w, eps):
@@ -319,6 +411,10 @@ class CudaBackend:
         return q, gate
 
     def attention(self, q, gate, k_cache, v_cache, meta: Meta):
+        """Decode rows: attn_fwd (CUDA cores, split-K over long contexts). A step with a sequence of more
+        than one new token: the leading single-token sequences (decodes come first) still go to attn_fwd,
+        every later sequence to attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the
+        block size allow it."""
         T, nh, hd = q.shape
         bs, nkv = k_cache.shape[1], k_cache.shape[2]
         G = nh // nkv
@@ -330,24 +426,81 @@ class CudaBackend:
         out = self._empty((T, nh * hd))
         if not T:
             return out
-        base = T * nkv
+        bt = meta.block_tables
+        n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
+        if hd in PREFILL_HD and bs & (bs - 1) == 0:
+            pf = meta.prefill_tiles
+            if pf is None or pf[0] != G or pf[1] is not meta.step:
+                pf = meta.prefill_tiles = (G, meta.step, *_prefill_tiles(meta.step, G))
+            tiles, n_pf_dec = pf[2], pf[3]
+            if tiles is not None:
+                n_dec = n_pf_dec
+                k, smem = _prefill_kernel(hd)
+                k((nkv, tiles.shape[0]), (256,),
+                  (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
+                   i32(nkv), i32(G), i32(bs.bit_length() - 1), f32(hd ** -0.5 * np.log2(np.e)), out),
+                  shared_mem=smem)
+        if not n_dec:
+            return out
+        base = n_dec * nkv
         target = 2 * self.num_sms
         nsplit = 1
         if base < target:
             nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // 64)))
         chunk = -(-meta.max_ctx // nsplit)
         if nsplit > 1:
-            part_acc = cupy.empty((T, nh, nsplit, hd), cupy.float32)
-            part_ml = cupy.empty((T, nh, nsplit, 2), cupy.float32)
+            part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
+            part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)
         else:
             part_acc = part_ml = out  # unused
-        bt = meta.block_tables
         _fn("attention.cu", f"attn_fwd<{hd}, {G}>")(
-            (nsplit, nkv, T), (128,),
+            (nsplit, nkv, n_dec), (128,),
             (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, meta.positions,
              i32(nkv), i32(bs), i32(chunk), f32(hd ** -0.5), out, part_acc, part_ml))
         if nsplit > 1:
-            _fn("attention.cu", "attn_combine")((T * nh,), (128,),
+            _fn("attention.cu", "attn_combine")((n_dec * nh,), (128,),
                                                 (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
                                                  i32(nsplit)))
         return out
+
+
+# ---- prefill attention work list (attention_prefill.cu) ------------------------------------------------
+PREFILL_HD = (64, 128, 256)
+PF_ROWS = 64  # query rows (token, q head) per tile: PF_ROWS in attention_prefill.cu
+_PF_KERNELS: dict[int, tuple] = {}
+
+
+def _prefill_kernel(hd: int):
+    """(attn_prefill<hd>, its dynamic shared memory: a Q tile and two K/V tile pairs of PF_ROWS x hd bf16),
+    opted in to more than 48 KiB once."""
+    kt = _PF_KERNELS.get(hd)
+    if kt is None:
+        k = _module("attention_prefill.cu", [f"attn_prefill<{h}>" for h in PREFILL_HD]).get_function(
+            f"attn_prefill<{hd}>")
+        smem = 5 * PF_ROWS * hd * 2
+        k.max_dynamic_shared_size_bytes = smem
+        kt = _PF_KERNELS[hd] = (k, smem)
+    return kt
+
+
+def _prefill_tiles(step: Step, G: int):
+    """(tiles, n_dec): n_dec leading single-token sequences (their tokens are rows 0..n_dec-1) stay on
+    attn_fwd; every later sequence with tokens is cut into tiles of PF_ROWS flattened (token, q head of
+    the kv group) rows, listed as (seq, first row, first token, n tokens), most keys first. tiles is None
+    (and n_dec = T) when no sequence has more than one new token."""
+    cu = np.asarray(step.cu_seqlens, np.int64)
+    lens = np.diff(cu)
+    if lens.size == 0 or lens.max() <= 1:
+        return None, int(cu[-1])
+    n_dec = int(np.argmax(lens != 1))
+    seqs = np.arange(n_dec, lens.size)
+    seqs = seqs[lens[seqs] > 0]
+    nt = -(-lens[seqs] * G // PF_ROWS)
+    b = np.repeat(seqs, nt)
+    r0 = (np.arange(int(nt.sum())) - np.repeat(np.cumsum(nt) - nt, nt)) * PF_ROWS
+    n = lens[b]
+    keys = np.asarray(step.positions, np.int64)[cu[b]] + (np.minimum(r0 + PF_ROWS, n * G) - 1) // G + 1
+    order = np.argsort(-keys, kind="stable")
+    tiles = np.stack([b, r0, cu[b], n], 1)[order].astype(np.int32)
+    assert tiles.shape[0] < 65536, "grid.y limit"
+    return cupy.asarray(tiles), int(cu[n_dec])

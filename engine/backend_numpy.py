@@ -103,6 +103,13 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk=CHUNK):
     return out.transpose(1, 0, 2)[:T], S
 
 
+def argmax_finite(x) -> tuple[np.ndarray, np.ndarray]:
+    """Per logits row: the argmax (first of equal maxima; meaningless for a non-finite row) and whether
+    every entry is finite. The runner's one look at every sampled row."""
+    x = np.asarray(x)
+    return x.argmax(1).astype(np.int64), np.isfinite(x).all(1)
+
+
 @dataclass
 class Cache:
     """Per-sequence state of every layer: GDN conv and recurrent state by slot, paged KV."""
@@ -154,6 +161,8 @@ class NumpyBackend:
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x, np.float32)
+
+    argmax_finite = staticmethod(argmax_finite)
 
     # ---- ops ---------------------------------------------------------------------------
     def embed(self, table, meta: Meta):

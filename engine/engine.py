@@ -101,7 +101,10 @@ def _default_budget(backend, cfg: ModelConfig, a: EngineArgs) -> int:
         return 512 << 20
     import cupy
     free, total = cupy.cuda.runtime.memGetInfo()
-    activations = 4 * a.max_num_batched_tokens * (4 * cfg.intermediate_size + 2 * cfg.conv_dim + 8 * cfg.hidden_size)
+    per_token = 4 * (4 * cfg.intermediate_size + 2 * cfg.conv_dim + 8 * cfg.hidden_size)
+    # + the chunked GDN prefill's f32 workspace (W, Qs, Ks, U, P, aux per token and value head)
+    per_token += 4 * cfg.lin_num_v_heads * (3 * cfg.lin_k_dim + cfg.lin_v_dim + 64 + 4)
+    activations = a.max_num_batched_tokens * per_token
     logits = 8 * a.max_num_seqs * cfg.vocab_size
     return int(free - (1 - a.gpu_memory_utilization) * total - activations - logits)
 
@@ -173,7 +176,7 @@ class Engine:
         if backend.name == "cuda" and not a.enforce_eager:
             from .decode_graph import DecodeGraphs
             graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
-                                  max_blocks_per_seq=-(-max_len // a.block_size))
+                                  max_blocks_per_seq=-(-max_len // a.block_size), capture_now=True)
         self.runner = ModelRunner(model, cache, Sampler(a.seed), graphs)
         self.max_model_len = max_len
         self.eos_ids = frozenset(cfg.eos_token_ids) | (

@@ -170,8 +170,13 @@ class Gemm:
 _GEMM: Gemm | None = None
 
 
-def gemm(x, w, out=None, f32_out=False):
+def get_gemm() -> Gemm:
+    """The process's cublasLt handle and workspace (created on first use)."""
     global _GEMM
     if _GEMM is None:
         _GEMM = Gemm()
-    return _GEMM(x, w, out, f32_out)
+    return _GEMM
+
+
+def gemm(x, w, out=None, f32_out=False):
+    return get_gemm()(x, w, out, f32_out)

@@ -1,0 +1,219 @@
+// Small-M bf16 GEMM ("GEMV" shape) for decode: y[M, N] = x[M, K] @ W[N, K]^T, M <= 16.
+// W row-major [N, K] bf16 bits (contiguous); x [M, K] bf16 bits with row stride sx (elements);
+// f32 accumulation; y [M, N] contiguous, bf16 (F32 = 0) or f32 (F32 = 1, the lm_head logits).
+//
+// Why tensor cores and not FFMA. At M rows the FFMA form needs M FMAs plus a bf16 unpack per weight
+// element; streaming W at 4.3 TB/s is ~8.3 weight elements per SM clock, so M = 16 would need
+// ~8.3 * 17 = 140 issued instructions per SM clock against 128: issue-bound before bandwidth-bound.
+// One mma.sync.m16n8k16 instead multiplies 16 W rows x 16 k by 8 x rows (2048 MACs) with no unpack;
+// at M = 16 the whole kernel issues < 0.5 instructions per 16-byte W load. W is the mma's A operand
+// (16 output features), x^T its B operand (n = 8 batch rows per tile; MT tiles cover M <= 8 * MT).
+//
+// Data path. A warp owns 16 * R W rows and a contiguous slice of the K dimension; K is walked in
+// 32-element "steps". Lane (g = lane / 4, tg = lane % 4) loads, per step, one 16-byte uint4 of W rows
+// g and g + 8 of each 16-row group at k = step * 32 + 8 * tg (a warp instruction reads 8 rows x 64
+// contiguous bytes: whole 32-byte sectors) with ld.global.nc.L1::no_allocate (W is streamed once and
+// must not evict x from L1), and one uint4 of x row g (+ 8 for the second tile) at the same k. Because
+// the mma's k slots may be any permutation of k applied to both operands, these raw loads are the
+// fragments directly: words 0,1 feed the first k16 mma, words 2,3 the second (no shuffles, no shared
+// memory on the input side). Each iteration issues U steps of loads before any mma: 2 * R * U
+// independent 16-byte W loads per thread in flight (4 or 8: 2 or 4 KiB per warp, plus x). x is NOT staged in shared memory:
+// with K split across a block's warps every x element is used by exactly one warp of the block, so
+// staging would add a copy and a barrier without reuse; it comes through L1 (it is <= 295 KiB in all
+// and shared by all blocks on an SM). x traffic is M / (16 * R) of W traffic; R = 2 halves it at
+// larger M (the host picks R; it does not change any result).
+//
+// Block = NW warps (run time, NW = blockDim.x / 32, <= 16) sharing one group of 16R rows, warp w
+// taking steps [w * S / NW, (w + 1) * S / NW) of the S = K / 32 steps. Partials (per warp: 16R x 8MT
+// f32) go to shared memory and one thread per output sums them over w = 0 .. NW-1 in order.
+// Grid = ceil(N / (16 R)) blocks. The host (_gemv_plan in engine/backend_cuda.py) picks NW from (N, K)
+// and the variant from (M, NW): e.g. 4B down (N = 2560, only 160 row groups) runs 16 warps per block.
+//
+// Determinism and M-invariance. An output y[m, n] is: per warp, the mma chain over its k slice in step
+// order (each tensor-core output element depends only on its own A row, B column and accumulator),
+// then the in-order sum over the block's NW warps. NW is chosen from (N, K) only, never from M, and
+// neither MT (tile count), R (rows per warp), U (load batching) nor masked rows change that order: a
+// row's result is bit-identical whatever batch (M <= 16) it is computed in. (The cublasLt path used
+// above the threshold rounds differently.) No atomics, no allocation, no sync: graph-capturable.
+//
+// M buckets: MT = 1 for M <= 8, MT = 2 for M <= 16 (not one instantiation per M): the mma's n is 8
+// wide, so M = 1..8 issue the same instructions and only the x loads scale with M. Rows m >= M and
+// n >= N are clamped to a valid row (the tensor core keeps rows and columns apart, so they only feed
+// outputs that are not stored); K must be a multiple of 8 (a uint4 is either in or out; K % 32 != 0
+// is one predicated tail step of the last warp), x's row stride a multiple of 8 and both base
+// pointers 16-byte aligned (the host checks).
+#include "common.cuh"
+
+#define GEMV_MAX_WARPS 16
+
+// W loads skip L1 (W is read once; x stays cached). PF = 1 adds the .L2::256B prefetch-size hint: it
+// paid off (+3..8%) for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration,
+// and cost up to 9% on the 16-warp plans of N = 2560 (H200 sweep, graph-timed).
+template <int PF>
+__device__ __forceinline__ uint4 gemv_ld_w(const bf16_t* p) {
+    uint4 r;
+    if (PF)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint4 gemv_ld_x(const bf16_t* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// d += A[16 x 16] * B[16 x 8], bf16 in, f32 accumulate (row-major A fragment, column-major B).
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One 32-k step: W rows g (lo) and g + 8 (hi) of a 16-row group, x row g; words 0,1 then 2,3.
+__device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo, const uint4& hi, const uint4& xb) {
+    mma_16816(d, lo.x, hi.x, lo.y, hi.y, xb.x, xb.y);
+    mma_16816(d, lo.z, hi.z, lo.w, hi.w, xb.z, xb.w);
+}
+
+// MT: 8-row x tiles (M <= 8 * MT); R: 16-row W groups per warp; U: 32-k steps per load batch;
+// PF: L2 256-byte prefetch hint on W loads; F32: 1 -> f32 output, 0 -> bf16.
+// Dynamic shared memory: NW * 16R * 8MT floats.
+template <int MT, int R, int U, int PF, int F32>
+__global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
+    const bf16_t* __restrict__ x, long long sx,   // [M, K], row stride sx
+    const bf16_t* __restrict__ w,                 // [N, K] contiguous
+    void* __restrict__ y,                         // [M, N] contiguous, bf16 or f32
+    int M, int N, int K)
+{
+    constexpr int ROWS = 16 * R, COLS = 8 * MT;
+    extern __shared__ float red[];  // [NW][COLS][ROWS]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, kt = 8 * (lane & 3);
+    const int n0 = blockIdx.x * ROWS;
+
+    // the full 32-k steps, split over the warps: this warp takes steps [s, s1)
+    const int steps = K >> 5;
+    const int s1 = (warp + 1) * steps / nw;
+    int s = warp * steps / nw;
+
+    // Rows past N (W) and past M (x) are clamped to a valid row instead of masked: a tensor-core output
+    // element depends only on its own A row and B column, so the clamped rows only feed outputs that are
+    // never stored, and the hot loop carries no predicates (at M = 1 all 8 lane groups read the same x
+    // bytes, which the load unit serves once).
+    const bf16_t* wp[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = n0 + 16 * r + 8 * h + g;
+            wp[r][h] = w + (long long)(row < N ? row : N - 1) * K + s * 32 + kt;
+        }
+    const bf16_t* xp[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        const int m = 8 * t + g;
+        xp[t] = x + (long long)(m < M ? m : M - 1) * sx + s * 32 + kt;
+    }
+
+    float acc[R][MT][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.0f;
+
+    // U steps of loads in flight, then their mmas in k order
+    const unsigned zero = (unsigned)K >> 31;  // 0 (K > 0), opaque to the compiler
+    for (; s + U <= s1; s += U) {
+        uint4 a[U][R][2], b[U][MT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                a[u][r][0] = gemv_ld_w<PF>(wp[r][0] + 32 * u);
+                a[u][r][1] = gemv_ld_w<PF>(wp[r][1] + 32 * u);
+            }
+#pragma unroll
+            for (int t = 0; t < MT; ++t) b[u][t] = gemv_ld_x(xp[t] + 32 * u);
+        }
+        // ptxas otherwise sinks each step's loads down to its mmas (one step in flight, not U): make the
+        // first mma depend on one word of every load, through a zero the compiler cannot see.
+        unsigned dep = 0u;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) dep |= a[u][r][0].w | a[u][r][1].w;
+#pragma unroll
+            for (int t = 0; t < MT; ++t) dep |= b[u][t].w;
+        }
+        a[0][0][0].x ^= dep & zero;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int t = 0; t < MT; ++t) mma_step(acc[r][t], a[u][r][0], a[u][r][1], b[u][t]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) { wp[r][0] += 32 * U; wp[r][1] += 32 * U; }
+#pragma unroll
+        for (int t = 0; t < MT; ++t) xp[t] += 32 * U;
+    }
+    // the rest of the slice one step at a time, then (last warp) a partial step when K % 32 != 0
+    const bool tail = warp == nw - 1 && (K & 31);
+    for (; s < s1 + (tail ? 1 : 0); ++s) {
+        const bool ok = s * 32 + kt < K;
+        uint4 a[R][2], b[MT];
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            a[r][0] = ok ? gemv_ld_w<PF>(wp[r][0]) : z;
+            a[r][1] = ok ? gemv_ld_w<PF>(wp[r][1]) : z;
+            wp[r][0] += 32; wp[r][1] += 32;
+        }
+#pragma unroll
+        for (int t = 0; t < MT; ++t) { b[t] = ok ? gemv_ld_x(xp[t]) : z; xp[t] += 32; }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int t = 0; t < MT; ++t) mma_step(acc[r][t], a[r][0], a[r][1], b[t]);
+    }
+
+    // accumulator (r, t): [0] (row 16r+g, col 8t+2tg), [1] col +1, [2] row +8, [3] row +8 col +1
+    const int c = 2 * (lane & 3);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            float* p = red + (warp * COLS + 8 * t + c) * ROWS + 16 * r + g;
+            p[0] = acc[r][t][0];
+            p[ROWS] = acc[r][t][1];
+            p[8] = acc[r][t][2];
+            p[ROWS + 8] = acc[r][t][3];
+        }
+    __syncthreads();
+    const int valid = (M < COLS ? M : COLS) * ROWS;
+    for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+        const int row = i % ROWS, col = i / ROWS;
+        const int n = n0 + row;
+        if (n >= N) continue;
+        float v = red[col * ROWS + row];
+        for (int j = 1; j < nw; ++j) v += red[(j * COLS + col) * ROWS + row];
+        const long long o = (long long)col * N + n;
+        if (F32) static_cast<float*>(y)[o] = v;
+        else static_cast<bf16_t*>(y)[o] = f2bf(v);
+    }
+}
+
+// Every (MT, R, U, PF) x F32 that CudaBackend.linear() dispatches to (GEMV_VARIANTS in engine/backend_cuda.py).
+#define GEMV_INST(MT, R, U, PF)                                                                              \
+    template __global__ void gemv_bf16<MT, R, U, PF, 0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int); \
+    template __global__ void gemv_bf16<MT, R, U, PF, 1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
+GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 2, 0) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)

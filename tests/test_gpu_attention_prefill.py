@@ -1,0 +1,130 @@
+"""The tensor-core prefill attention (cuda/attention_prefill.cu) against the NumPy backend's attention.
+
+Fresh random bf16 q, gate and paged K/V (the whole cache random: the cached prefix and the new tokens'
+rows alike), random non-contiguous pages; ragged batches of prefills and chunked prefills (cached
+prefixes of 0, 17, 300 tokens), mixed with decode rows (leading decodes go to attn_fwd, a single-token
+sequence after a prefill goes through the prefill kernel). Outputs are poisoned with NaN
+(CudaBackend(poison=True)), so an unwritten row fails. Tolerance as tests/test_gpu_kernels.py:
+max|diff| / max|ref| <= 2e-2.
+"""
+import numpy as np
+import pytest
+
+from conftest import gpu_or_skip  # noqa: E402
+
+cupy = gpu_or_skip()
+
+from engine.backend_cuda import CudaBackend  # noqa: E402
+from engine.backend_numpy import Cache, NumpyBackend  # noqa: E402
+from engine.step import Step  # noqa: E402
+from engine.weights import bf16_to_f32, f32_to_bf16  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def be():
+    return CudaBackend(poison=True)
+
+
+def rel(ours, want):
+    ours, want = np.asarray(ours, np.float32), np.asarray(want, np.float32)
+    assert ours.shape == want.shape, (ours.shape, want.shape)
+    assert np.isfinite(ours).all(), "non-finite (unwritten?) output"
+    return float(np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+class Pair:
+    """A bf16 tensor as NumPy f32 values and as GPU bits."""
+
+    def __init__(self, x):
+        self.bits = f32_to_bf16(np.asarray(x, np.float32))
+        self.np = bf16_to_f32(self.bits)
+        self.dev = cupy.asarray(self.bits)
+
+
+def rnd(rng, *shape, scale=1.0):
+    return Pair(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def make_step(rng, lens, bases, bs):
+    """Sequences with new-token counts `lens` resuming at `bases`; random non-contiguous pages (page 0
+    unused). Returns (step, number of pages)."""
+    need = [(b0 + n + bs - 1) // bs for n, b0 in zip(lens, bases)]
+    nb = sum(need) + 1 + 3
+    pages = rng.permutation(np.arange(1, nb))
+    chunks, o = [], 0
+    for i, (n, b0) in enumerate(zip(lens, bases)):
+        chunks.append((list(rng.integers(0, 1000, n)), b0, i, list(pages[o:o + need[i]])))
+        o += need[i]
+    return Step.build(chunks), nb
+
+
+class _C:
+    def __init__(self, bs):
+        self.block_size = bs
+
+
+# (new tokens, cached prefix) per sequence
+CASES = {
+    "ragged": ([15, 64, 65, 130, 1], [0, 17, 300, 0, 0]),
+    "decodes+chunks": ([1, 1, 1, 65, 15, 1, 130, 2], [700, 5, 300, 17, 300, 40, 0, 17]),
+    "long": ([1, 1000, 1], [1200, 300, 1500]),
+    "single-prefill": ([64], [0]),
+}
+DIMS = [(16, 4, 256), (24, 4, 256), (8, 2, 256), (12, 2, 256), (8, 2, 128), (4, 2, 64), (6, 2, 64)]
+DIM_IDS = ["G4-nkv4-4b", "G6-nkv4-27b", "G4-nkv2", "G6-nkv2", "G4-hd128", "G2-hd64-tiny", "G3-hd64-tiny3"]
+
+
+def _check(be, lens, bases, nh, nkv, hd, bs=16, seed=0):
+    rng = np.random.default_rng(seed + sum(lens) + 7 * nh + hd + bs)
+    step, nb = make_step(rng, lens, bases, bs)
+    T = sum(lens)
+    q = rnd(rng, T, nh, hd, scale=2.0)  # sharper softmax than unit scores
+    qg = rnd(rng, T, nh * 2 * hd + 24)  # the gate as attn_prep gives it: a strided view of q_gate
+    gate_np = qg.np[:, :nh * 2 * hd].reshape(T, nh, 2, hd)[:, :, 1].reshape(T, nh * hd)
+    kc, vc = rnd(rng, nb, bs, nkv, hd), rnd(rng, nb, bs, nkv, hd)
+    want = NumpyBackend().attention(q.np, gate_np, kc.np, vc.np, NumpyBackend().prepare(step, _C(bs)))
+    m = be.prepare(step, Cache([], [], [], [], bs))
+    sqg = qg.dev.shape[1]
+    gate = cupy.ndarray((T, nh, hd), cupy.uint16, qg.dev.data + hd * 2, strides=(sqg * 2, 2 * hd * 2, 2))
+    got = be.to_host(be.attention(q.dev, gate, kc.dev, vc.dev, m))
+    assert m.prefill_tiles is not None and m.prefill_tiles[2] is not None, "prefill kernel not dispatched"
+    err = rel(got, want)
+    rows = [float(np.abs(got[r] - want[r]).max()) for r in range(T)]
+    assert err <= BF16_TOL, f"rel err {err:.3e}; worst row {int(np.argmax(rows))} of {T}"
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("nh,nkv,hd", DIMS, ids=DIM_IDS)
+def test_prefill_attention(be, case, nh, nkv, hd):
+    lens, bases = CASES[case]
+    _check(be, lens, bases, nh, nkv, hd)
+
+
+@pytest.mark.parametrize("bs", [8, 32, 64, 128])
+def test_prefill_attention_block_sizes(be, bs):
+    _check(be, [15, 65, 130, 1], [17, 300, 0, 40], 16, 4, 256, bs=bs)
+
+
+def test_prefill_attention_tiles_cover_rows():
+    """The host work list: every (sequence, row) in exactly one tile, no tile straddles sequences,
+    heaviest first, leading decodes left to attn_fwd."""
+    from engine.backend_cuda import PF_ROWS, _prefill_tiles
+    lens, bases = [1, 1, 1000, 1, 65, 0, 3], [9, 40, 300, 7, 17, 5, 0]
+    step = Step.build([([0] * n, b0, i, [0] * ((b0 + n) // 16 + 1)) for i, (n, b0) in enumerate(zip(lens, bases))])
+    for G in (1, 2, 3, 4, 6, 8):
+        tiles, n_dec = _prefill_tiles(step, G)
+        t = cupy.asnumpy(tiles)
+        assert n_dec == 2
+        cover = {}
+        for b, r0, t0, n in t:
+            assert t0 == step.cu_seqlens[b] and n == lens[b] and 0 <= r0 < n * G and r0 % PF_ROWS == 0
+            cover.setdefault(int(b), []).append(int(r0))
+        for b in range(2, len(lens)):
+            want = list(range(0, lens[b] * G, PF_ROWS))
+            assert sorted(cover.get(b, [])) == want, (G, b)
+        keys = [bases[b] + (min(r0 + PF_ROWS, n * G) - 1) // G + 1 for b, r0, _, n in t]
+        assert keys == sorted(keys, reverse=True)
+    assert _prefill_tiles(Step.build([([0], 5, 0, [0]), ([0], 0, 1, [1])]), 4) == (None, 2)
