@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from .request import Request
-from .sampler import Sampler, SamplingRow
+from .sampler import Sampler, SamplingRow, float_logits, is_argmax, take_rows
 from .step import Step
 
 
@@ -44,21 +42,29 @@ class ModelRunner:
         sampled = [req for (req, _), w in zip(batch, want) if w]
         if not sampled:
             return []
-        logits = self.ops.to_host(logits)
+        # sampling runs where the logits are (on the GPU for the CUDA backend); the test hook gets
+        # host logits, and then the sampling runs on the host
         if self.logits_hook is not None:
-            logits = self.logits_hook(sampled, logits)
-        finite = np.isfinite(logits).all(1)
+            logits = self.logits_hook(sampled, self.ops.to_host(logits))
+        logits = float_logits(logits)
+        # one pass over every row where the logits are: non-finite rows fail alone, plain greedy rows
+        # take the argmax, and only the rest go through the sampler
+        top, finite = self.ops.argmax_finite(logits)
         results, ok, rows = [], [], []
         for i, req in enumerate(sampled):
             try:
                 if not finite[i]:
                     raise FloatingPointError(f"non-finite logits for request {req.request_id}")
-                rows.append(self._row(req, logits.shape[1]))
-                ok.append(i)
+                row = self._row(req, logits.shape[1])
+                if is_argmax(row):
+                    results.append((req, Sampled(int(top[i]), None)))
+                else:
+                    rows.append(row)
+                    ok.append(i)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 results.append((req, e))
         if ok:
-            out = self.sampler.sample(logits[ok], rows)
+            out = self.sampler.sample(logits if len(ok) == len(sampled) else take_rows(logits, ok), rows)
             results += [(sampled[i], Sampled(int(out.token_ids[j]), out.logprobs[j])) for j, i in enumerate(ok)]
         return results
 

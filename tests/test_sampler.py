@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from engine import sampler as S
 from engine.sampler import Sampler, SamplingRow, log_softmax
 from engine.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ def reference(logits, row: SamplingRow):
     p /= p.sum()
     if row.min_p > 0:
         x[p < row.min_p * p.max()] = -np.inf
-    if 0 < row.top_k < V:
+    if 0 < row.top_k < len(x):
         kth = np.sort(x)[::-1][row.top_k - 1]
         x[x < kth] = -np.inf
     if row.top_p < 1.0:
@@ -155,3 +156,125 @@ def test_params_defaults_from_generation_config():
     p = SamplingParams(temperature=0.0, top_k=-1).with_defaults({"temperature": 0.6, "top_k": 20})
     assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, -1)
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+# ---- large vocabularies: the candidate prefilter, the top-p widening, ties, the two-level CDF ----
+
+def check_against_reference(logits, rows, seed=42):
+    got = Sampler().process(logits, rows)
+    for i, row in enumerate(rows):
+        want = reference(logits[i], row)
+        assert np.array_equal(np.isfinite(got[i]), np.isfinite(want)), i
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-5, atol=1e-5)
+    for r in rows:
+        r.generator = np.random.default_rng(seed)
+    toks = Sampler().sample(logits, rows).token_ids
+    for i, row in enumerate(rows):
+        x = reference(logits[i], row)
+        want = int(np.argmax(x)) if row.temperature < 1e-5 else ref_token(x, 1.0 - np.random.default_rng(seed).random())
+        assert toks[i] == want, i
+
+
+@pytest.mark.parametrize("Vbig", [5000, 70000])
+def test_large_vocab_paths_match_reference(Vbig):
+    """Top-k via chunk maxima, top-p found among TOP_P_CANDIDATES (peaked rows) or after widening
+    (flat rows: 16x, then the whole row), min_p leaving fewer finite tokens than k."""
+    rng = np.random.default_rng(Vbig)
+    logits = rng.normal(0, 2, (9, Vbig)).astype(np.float32)
+    logits[1:4, rng.integers(0, Vbig, 30)] += 12.0  # peaked rows: a small nucleus
+    rows = [
+        SamplingRow(temperature=1.0, top_k=5),
+        SamplingRow(temperature=0.9, top_p=0.9),
+        SamplingRow(temperature=0.7, top_k=50, top_p=0.8),
+        SamplingRow(temperature=1.0, top_p=0.5, min_p=0.01),
+        SamplingRow(temperature=1.5, top_p=0.95),         # flat: the nucleus is most of the vocabulary
+        SamplingRow(temperature=1.0, top_p=0.3),          # flat, smaller nucleus
+        SamplingRow(temperature=1.0, min_p=0.5, top_k=40),  # fewer finite tokens than k
+        SamplingRow(temperature=0.0, repetition_penalty=1.3, prompt_ids=rng.integers(0, Vbig, 40).tolist()),
+        SamplingRow(temperature=1.0, banned_ids=[7, 9], logit_bias={3: 8.0}, frequency_penalty=0.5,
+                    output_ids=rng.integers(0, Vbig, 20).tolist()),
+    ]
+    check_against_reference(logits, rows, seed=Vbig)
+
+
+def lex_order(x):
+    """Reference ranking: finite entries by value descending, then id ascending."""
+    ids = np.lexsort((np.arange(len(x)), -x.astype(np.float64)))
+    return ids[np.isfinite(x[ids])]
+
+
+@pytest.mark.parametrize("K", [1, 3, 17, 200, 1300, 5000])
+def test_ranked_order_is_unique_with_ties(K):
+    rng = np.random.default_rng(K)
+    x = (np.round(rng.normal(0, 2, (5, 5000)) * 2) / 2).astype(np.float32)  # many ties
+    x[1, rng.integers(0, 5000, 4990)] = -np.inf                                  # fewer finite than K
+    x[2] = 0.0
+    x[2, ::2] = -0.0                                                              # -0.0 ties +0.0
+    x[3, :] = -np.inf
+    x[3, [10, 4000]] = 1.0
+    ids, n = S._ranked(np, x, K)
+    for i in range(5):
+        want = lex_order(x[i])[:K]
+        assert n[i] == len(want)
+        assert ids[i, :n[i]].tolist() == want.tolist(), i
+
+
+def test_top_k_ties_keep_the_lowest_ids():
+    logits = np.zeros((1, 4000), np.float32)
+    logits[0, [100, 200]] = 1.0
+    x = Sampler().process(logits, [SamplingRow(temperature=1.0, top_k=5)])
+    assert np.flatnonzero(np.isfinite(x[0])).tolist() == [0, 1, 2, 100, 200]
+
+
+def test_inverse_cdf_matches_searchsorted_and_skips_masked():
+    rng = np.random.default_rng(5)
+    V2 = 3001  # not a multiple of the chunk length
+    x = rng.normal(0, 3, (6, V2)).astype(np.float32)
+    x[:, rng.integers(0, V2, 2000)] = -np.inf
+    x[5, :-1] = -np.inf  # only the last token
+    x[5, -1] = 0.5
+    for u in [1e-12, 0.3, 0.999999, 1.0, *rng.random(20)]:
+        uu = np.full(6, u)
+        got = S._inverse_cdf(np, x, uu, x.argmax(1))
+        for i in range(6):
+            assert got[i] == ref_token(x[i].astype(np.float64), u), (i, u)
+            assert np.isfinite(x[i, got[i]])
+
+
+def test_kept_candidates_draw_equals_whole_row_draw():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(0, 2, (4, 6000)).astype(np.float32)
+    rows = [SamplingRow(temperature=1.0, top_k=k, top_p=p) for k, p in [(7, 1.0), (60, 0.7), (500, 0.95), (3, 0.1)]]
+    x, cand = Sampler()._process(logits, rows)
+    r, ids, keep = cand
+    for u in rng.random(30):
+        uu = np.full(4, u)
+        a = S._inverse_cdf_kept(np, x, r, ids, keep, uu, x.argmax(1))
+        b = S._inverse_cdf(np, x, uu, x.argmax(1))
+        assert a.tolist() == b.tolist()
+
+
+def test_logprobs_sizes_and_ties():
+    logits = np.zeros((3, V), np.float32)
+    logits[0, 5] = 1.0
+    rows = [SamplingRow(temperature=0.0, num_logprobs=4), SamplingRow(temperature=1.0, num_logprobs=0),
+            SamplingRow(temperature=0.0, num_logprobs=V + 10)]
+    out = Sampler().sample(logits, rows)
+    assert out.logprobs[0][1] == [5, 0, 1, 2]          # ties: the lowest ids first
+    assert out.logprobs[1][1] == [] and out.logprobs[1][2] == []
+    assert out.logprobs[2][1] == list(range(V)) and len(out.logprobs[2][2]) == V
+    assert out.logprobs[1][0] == pytest.approx(-np.log(V), abs=1e-5)
+
+
+def test_out_of_range_token_ids_raise():
+    logits = np.zeros((1, V), np.float32)
+    for row in (SamplingRow(temperature=0.0, banned_ids=[V]), SamplingRow(temperature=0.0, logit_bias={-1: 1.0})):
+        with pytest.raises(IndexError, match="out of range"):
+            Sampler().sample(logits, [row])
+
+
+def test_bf16_bits():
+    from engine.weights import f32_to_bf16
+    a = np.array([[1.5, -2.0], [np.nan, 0.25]], np.float32)
+    np.testing.assert_array_equal(S.float_logits(f32_to_bf16(a))[0], a[0])
