@@ -8,7 +8,9 @@ best logprob; over HF's top-8 tokens, mean |dlogprob| <= 0.06 and p99 <= 0.20. T
 never asserted. On random weights HF bf16 is itself further than that from HF f32, so by default
 those bounds are scaled to HF's own measured floor (see the test body); QWEN35_GATE_STRICT=1 asserts
 them as written (for real checkpoints: QWEN35_MODEL_4B=/path/to/checkpoint). QWEN35_HF_LONG=1 adds
-prompts of 4,097 and 8,192 tokens.
+prompts of 4,097 and 8,192 tokens; QWEN35_HF_BIG=1 adds the 9b and 27b shapes (short prompts). Each
+model is loaded straight onto the GPU and freed before the next (27b: 54 GB ours, then HF bf16, then
+HF f32 at 108 GB).
 """
 import os
 
@@ -112,6 +114,8 @@ def _prompts(rng, long):
 CASES = [("tiny", False), ("tiny3", False), ("4b", False)]
 if os.environ.get("QWEN35_HF_LONG"):
     CASES += [("tiny", True), ("4b", True)]
+if os.environ.get("QWEN35_HF_BIG"):  # 18 and 54 GB checkpoints: QWEN35_MODEL_9B / _27B, else written here
+    CASES += [("9b", False), ("27b", False)]
 
 
 @pytest.mark.parametrize("preset,long", CASES, ids=[f"{p}{'-long' if lg else ''}" for p, lg in CASES])
@@ -124,7 +128,7 @@ def test_hf_bf16_gate(tmp_path_factory, preset, long):
     ours = run_ours(model, seqs, rng)
     del model
     cupy.get_default_memory_pool().free_all_blocks()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16, device_map="cuda").eval()
     ref = [run_hf(hf, p, dec) for p, dec in seqs]
     del hf
     torch.cuda.empty_cache()
@@ -134,7 +138,7 @@ def test_hf_bf16_gate(tmp_path_factory, preset, long):
     # HF's own floor, we must be at least as close to f32 as HF bf16 is (10% slack), and a regret miss
     # against HF bf16 counts only when HF f32 confirms it, at most as many as HF bf16's own misses
     # against f32 (at least 1). QWEN35_GATE_STRICT=1 (real checkpoints) asserts the spec's numbers as is.
-    hf32 = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, device_map="cuda").eval()
     truth = [run_hf(hf32, p, dec) for p, dec in seqs]
     del hf32
     torch.cuda.empty_cache()
