@@ -52,12 +52,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--concurrency", default="1,4,8,16,32,64")
     ap.add_argument("--prompts-per-level", type=int, default=0, help="default: 2 x concurrency (at least 4)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=0, help="default: input + output + 16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
     trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
     eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
-                 max_model_len=a.input_len + a.output_len + 16, max_num_batched_tokens=max(2048, max(levels)))
+                 max_model_len=a.max_model_len or a.input_len + a.output_len + 16,
+                 max_num_batched_tokens=max(a.max_num_batched_tokens, max(levels)))
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
