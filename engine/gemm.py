@@ -13,7 +13,6 @@ import glob
 import os
 import site
 import sys
-from pathlib import Path
 
 import cupy
 

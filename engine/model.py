@@ -52,7 +52,7 @@ class Qwen35Model:
         return self.forward_meta(self.ops.prepare(step, cache), cache)
 
     def forward_meta(self, meta, cache):
-        ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps
+        ops, eps = self.ops, self.cfg.rms_norm_eps
         x, residual = ops.embed(self.embed, meta), None
         lin = full = 0
         for L in self.layers:

@@ -17,35 +17,14 @@ cupy = gpu_or_skip()
 from engine.backend_cuda import CudaBackend  # noqa: E402
 from engine.backend_numpy import Cache, NumpyBackend  # noqa: E402
 from engine.step import Step  # noqa: E402
-from engine.weights import bf16_to_f32, f32_to_bf16  # noqa: E402
+from gpu_pairs import BF16_TOL, rel, rnd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-BF16_TOL = 2e-2
 
 
 @pytest.fixture(scope="module")
 def be():
     return CudaBackend(poison=True)
-
-
-def rel(ours, want):
-    ours, want = np.asarray(ours, np.float32), np.asarray(want, np.float32)
-    assert ours.shape == want.shape, (ours.shape, want.shape)
-    assert np.isfinite(ours).all(), "non-finite (unwritten?) output"
-    return float(np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-class Pair:
-    """A bf16 tensor as NumPy f32 values and as GPU bits."""
-
-    def __init__(self, x):
-        self.bits = f32_to_bf16(np.asarray(x, np.float32))
-        self.np = bf16_to_f32(self.bits)
-        self.dev = cupy.asarray(self.bits)
-
-
-def rnd(rng, *shape, scale=1.0):
-    return Pair(rng.standard_normal(shape).astype(np.float32) * scale)
 
 
 def make_step(rng, lens, bases, bs):

@@ -68,17 +68,22 @@ def mixed_rows(rng):
     ]
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_process_matches_reference(seed):
-    rng = np.random.default_rng(seed)
-    rows = mixed_rows(rng)
-    logits = rng.normal(0, 2, (len(rows), V)).astype(np.float32)
+def assert_process_matches(logits, rows):
+    """Sampler.process masks exactly what the reference masks, and the kept logits agree."""
     got = Sampler().process(logits, rows)
     for i, row in enumerate(rows):
         want = reference(logits[i], row)
         assert np.array_equal(np.isfinite(got[i]), np.isfinite(want)), i
         fin = np.isfinite(want)
         np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_process_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    rows = mixed_rows(rng)
+    logits = rng.normal(0, 2, (len(rows), V)).astype(np.float32)
+    assert_process_matches(logits, rows)
 
 
 def test_sample_matches_reference_with_same_uniforms():
@@ -161,12 +166,7 @@ def test_params_defaults_from_generation_config():
 # ---- large vocabularies: the candidate prefilter, the top-p widening, ties, the two-level CDF ----
 
 def check_against_reference(logits, rows, seed=42):
-    got = Sampler().process(logits, rows)
-    for i, row in enumerate(rows):
-        want = reference(logits[i], row)
-        assert np.array_equal(np.isfinite(got[i]), np.isfinite(want)), i
-        fin = np.isfinite(want)
-        np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-5, atol=1e-5)
+    assert_process_matches(logits, rows)
     for r in rows:
         r.generator = np.random.default_rng(seed)
     toks = Sampler().sample(logits, rows).token_ids
