@@ -113,7 +113,7 @@ def _prompts(rng, long):
 
 CASES = [("tiny", False), ("tiny3", False), ("4b", False)]
 if os.environ.get("QWEN35_HF_LONG"):
-    CASES += [("tiny", True), ("4b", True)]
+    CASES += [("tiny", True), ("tiny3", True), ("4b", True)]
 if os.environ.get("QWEN35_HF_BIG"):  # 18 and 54 GB checkpoints: QWEN35_MODEL_9B / _27B, else written here
     CASES += [("9b", False), ("27b", False)]
 
