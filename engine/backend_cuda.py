@@ -16,6 +16,7 @@ Conventions
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 
 GEMV_KERNELS = [f"gemv_bf16<{mt}, {r}, {u}, {pf}, {f}>" for mt, r, u, pf in GEMV_VARIANTS for f in (0, 1)]
 
 
+@functools.lru_cache(maxsize=None)
 def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, int]:
     """(kernel, blocks, warps per block, shared bytes) for cuda/gemv.cu (tuned on an H200 at the 4B
     shapes, graph-timed). The warps per block NW (the K split, hence the summation order) depend on
@@ -79,29 +81,31 @@ def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, in
             nw * 16 * r * 8 * mt * 4)
 
 
-def _fn(file: str, name: str):
-    if file == "gdn.cu":
-        mod = _module(file, [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state")
-                             for d in GDN_DK])
-    elif file == "attention.cu":
-        mod = _module(file, [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G])
-    elif file == "gemv.cu":
-        mod = _module(file, GEMV_KERNELS)
-    else:
-        mod = _module(file)
-    return mod.get_function(name)
+PREFILL_HD = (64, 128, 256)
+# the template instantiations each file's module is compiled with
+_TEMPLATES = {
+    "gdn.cu": [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state") for d in GDN_DK],
+    "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
+    "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
+    "gemv.cu": GEMV_KERNELS,
+}
+_FNS: dict[tuple[str, str], list] = {}  # (file, kernel) -> [function, dynamic shared bytes opted in to]
+
+
+def _fn(file: str, name: str, smem: int = 0):
+    """Kernel `name` of cuda/`file`, looked up once; `smem`: the dynamic shared memory it will be launched
+    with, opted in to (above the 48 KiB default) the first time a launch needs that much."""
+    e = _FNS.get((file, name))
+    if e is None:
+        e = _FNS[(file, name)] = [_module(file, _TEMPLATES.get(file, ())).get_function(name), 0]
+    if smem > e[1]:
+        e[0].max_dynamic_shared_size_bytes = smem
+        e[1] = smem
+    return e[0]
 
 
 i32, i64, f32 = np.int32, np.int64, np.float32
 GDN_CHUNK = 64  # tokens per chunk of the WY prefill form (GDN_C in gdn.cu)
-_SMEM_SET: dict[int, tuple] = {}  # id(kernel) -> (kernel, bytes); holding the kernel keeps its id unique
-
-
-def _max_smem(fn, nbytes: int) -> None:
-    """Opt a kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
-    if _SMEM_SET.get(id(fn), (None, 0))[1] < nbytes:
-        fn.max_dynamic_shared_size_bytes = nbytes
-        _SMEM_SET[id(fn)] = (fn, nbytes)
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -125,8 +129,9 @@ class Meta:
     tok_seq: cupy.ndarray
     logits_rows: cupy.ndarray
     block_tables: cupy.ndarray  # [B, width]
-    # attention()'s prefill work list for this step, built on first use: (G, step, tiles [n, 4] int32 or
-    # None, number of leading single-token sequences)
+    max_new: int = 1  # the most new tokens of one sequence (1: a decode step)
+    # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
+    # number of leading single-token sequences)
     prefill_tiles: tuple | None = None
 
 
@@ -229,7 +234,7 @@ class CudaBackend:
             if max_ctx < ctx:
                 raise ValueError(f"prepare: max_ctx {max_ctx} < longest context {ctx}")
             ctx = int(max_ctx)
-        return Meta(step, T, B, ctx, *views)
+        return Meta(step, T, B, ctx, *views, max_new=int(np.diff(step.cu_seqlens).max(initial=0)))
 
     def memory_used(self) -> int:
         return cupy.get_default_memory_pool().used_bytes()
@@ -347,7 +352,7 @@ class CudaBackend:
         out = self._empty((T, nv * dv))
         if not T:
             return out
-        if T == meta.B:
+        if meta.max_new <= 1:
             _fn("gdn.cu", f"gdn_recurrent<{dk}>")(
                 (dv // 32, nv, meta.B), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots, out,
@@ -358,17 +363,13 @@ class CudaBackend:
         U = self._empty((T, nv, dv), cupy.float32)
         P = self._empty((T, nv, C), cupy.float32)
         aux = self._empty((T, nv, 4), cupy.float32)
-        n_chunks = -(-int(np.diff(meta.step.cu_seqlens).max()) // C)
-        prep = _fn("gdn.cu", f"gdn_chunk_prep<{dk}>")
+        n_chunks = -(-meta.max_new // C)
         smem = 4 * (max(2 * C * (dk + 1), C * (dk + dv)) + C * 65 + 2 * C)
-        _max_smem(prep, smem)
-        prep((n_chunks, nv, meta.B), (256,),
+        _fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, meta.cu_seqlens, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
-        run = _fn("gdn.cu", f"gdn_chunk_state<{dk}>")
         smem = 4 * (dk * 32 + 3 * C * dk + C * C + 2 * C * 32)
-        _max_smem(run, smem)
-        run((dv // 32, nv, meta.B), (512 if dk >= 64 else 256,),  # gdn_state_warps() in gdn.cu
+        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B), (512 if dk >= 64 else 256,),  # gdn_state_warps() in gdn.cu
             (W, U, P, Qs, Ks, aux, state, meta.cu_seqlens, meta.slots, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
@@ -428,18 +429,18 @@ class CudaBackend:
             return out
         bt = meta.block_tables
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
-        if hd in PREFILL_HD and bs & (bs - 1) == 0:
-            pf = meta.prefill_tiles
-            if pf is None or pf[0] != G or pf[1] is not meta.step:
-                pf = meta.prefill_tiles = (G, meta.step, *_prefill_tiles(meta.step, G))
-            tiles, n_pf_dec = pf[2], pf[3]
+        if meta.max_new > 1 and hd in PREFILL_HD and bs & (bs - 1) == 0:
+            if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
+                meta.prefill_tiles = (G, *_prefill_tiles(meta.step, G))
+            _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec
-                k, smem = _prefill_kernel(hd)
-                k((nkv, tiles.shape[0]), (256,),
-                  (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
-                   i32(nkv), i32(G), i32(bs.bit_length() - 1), f32(hd ** -0.5 * np.log2(np.e)), out),
-                  shared_mem=smem)
+                smem = 5 * PF_ROWS * hd * 2  # a Q tile and two K/V tile pairs of PF_ROWS x hd bf16
+                _fn("attention_prefill.cu", f"attn_prefill<{hd}>", smem)(
+                    (nkv, tiles.shape[0]), (256,),
+                    (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
+                     i32(nkv), i32(G), i32(bs.bit_length() - 1), f32(hd ** -0.5 * np.log2(np.e)), out),
+                    shared_mem=smem)
         if not n_dec:
             return out
         base = n_dec * nkv
@@ -465,22 +466,7 @@ class CudaBackend:
 
 
 # ---- prefill attention work list (attention_prefill.cu) ------------------------------------------------
-PREFILL_HD = (64, 128, 256)
 PF_ROWS = 64  # query rows (token, q head) per tile: PF_ROWS in attention_prefill.cu
-_PF_KERNELS: dict[int, tuple] = {}
-
-
-def _prefill_kernel(hd: int):
-    """(attn_prefill<hd>, its dynamic shared memory: a Q tile and two K/V tile pairs of PF_ROWS x hd bf16),
-    opted in to more than 48 KiB once."""
-    kt = _PF_KERNELS.get(hd)
-    if kt is None:
-        k = _module("attention_prefill.cu", [f"attn_prefill<{h}>" for h in PREFILL_HD]).get_function(
-            f"attn_prefill<{hd}>")
-        smem = 5 * PF_ROWS * hd * 2
-        k.max_dynamic_shared_size_bytes = smem
-        kt = _PF_KERNELS[hd] = (k, smem)
-    return kt
 
 
 def _prefill_tiles(step: Step, G: int):
