@@ -229,6 +229,13 @@ class CudaBackend:
             views.append(dev[o:o + p.size])
             o += p.size
         views[-1] = views[-1].reshape(bt.shape)
+        if step.feed is not None:  # tokens sampled on the device by the previous step, after the copy
+            rows, ids = step.feed
+            ids = cupy.asarray(ids).astype(cupy.int32, copy=False)
+            if len(rows) and rows[-1] == len(rows) - 1:  # rows 0..k-1 (decodes come first): no index upload
+                views[0][:len(rows)] = ids
+            else:
+                views[0][cupy.asarray(rows)] = ids
         ctx = int(step.seq_lens.max(initial=0))
         if max_ctx is not None:
             if max_ctx < ctx:
@@ -247,9 +254,21 @@ class CudaBackend:
             return cupy.asnumpy(x).astype(np.float32, copy=False)
         return np.asarray(x, np.float32)
 
-    def argmax_finite(self, x) -> tuple[np.ndarray, np.ndarray]:
-        """NumPy's argmax_finite for f32 logits rows on the device: one launch (cuda/argmax.cu), and only
-        [B, 2] int32 crosses to the host. Host arrays (a test hook's) take the NumPy path."""
+    @staticmethod
+    def mark():
+        """An event recorded on the current stream: where the device is in the enqueued work."""
+        e = cupy.cuda.Event()
+        e.record()
+        return e
+
+    @staticmethod
+    def elapsed_ms(a, b) -> float:
+        """Device time between two marks (both must have completed)."""
+        return cupy.cuda.get_elapsed_time(a, b)
+
+    def argmax_finite(self, x):
+        """NumPy's argmax_finite for f32 logits rows, left on the device: one launch (cuda/argmax.cu).
+        Host arrays (a test hook's) take the NumPy path."""
         if isinstance(x, np.ndarray):
             return argmax_finite(x)
         assert x.dtype == cupy.float32 and x.ndim == 2 and x.strides[1] == 4, (x.dtype, x.strides)
@@ -257,8 +276,7 @@ class CudaBackend:
         out = cupy.empty((B, 2), cupy.int32)
         if B:
             _fn("argmax.cu", "argmax_finite_kernel")((B,), (512,), (x, i64(x.strides[0] // 4), i32(V), out))
-        h = out.get()
-        return h[:, 0].astype(np.int64), h[:, 1].astype(bool)
+        return out
 
     # ---- ops ---------------------------------------------------------------------------
     def _gather(self, table: cupy.ndarray, idx: cupy.ndarray) -> cupy.ndarray:

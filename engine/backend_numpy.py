@@ -7,7 +7,8 @@ places the classic bugs of spec §13 live; the parity tests patch them to prove 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -103,11 +104,13 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk=CHUNK):
     return out.transpose(1, 0, 2)[:T], S
 
 
-def argmax_finite(x) -> tuple[np.ndarray, np.ndarray]:
-    """Per logits row: the argmax (first of equal maxima; meaningless for a non-finite row) and whether
-    every entry is finite. The runner's one look at every sampled row."""
+def argmax_finite(x) -> np.ndarray:
+    """[B, 2] int32 per logits row: the argmax (first of equal maxima, over the finite entries; 0 for a
+    row with none) and 1 if every entry is finite. The runner's one look at every sampled row."""
     x = np.asarray(x)
-    return x.argmax(1).astype(np.int64), np.isfinite(x).all(1)
+    fin = np.isfinite(x)
+    top = np.where(fin, x, -np.inf).argmax(1) if x.shape[1] else np.zeros(len(x), np.int64)
+    return np.stack([top, fin.all(1)], 1).astype(np.int32)
 
 
 @dataclass
@@ -152,6 +155,11 @@ class NumpyBackend:
 
     def prepare(self, step: Step, cache: Cache) -> Meta:
         bs = cache.block_size
+        if step.feed is not None:
+            rows, ids = step.feed
+            tokens = step.tokens.copy()
+            tokens[rows] = ids
+            step = replace(step, tokens=tokens, feed=None)
         seq = np.repeat(np.arange(step.num_seqs), np.diff(step.cu_seqlens))
         blocks = step.block_tables[seq, step.positions // bs]
         return Meta(step, (blocks * bs + step.positions % bs).astype(np.int64))
@@ -163,6 +171,15 @@ class NumpyBackend:
         return np.asarray(x, np.float32)
 
     argmax_finite = staticmethod(argmax_finite)
+
+    @staticmethod
+    def mark():
+        """A point in the backend's work (here the host clock: every op is synchronous)."""
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed_ms(a, b) -> float:
+        return (b - a) * 1e3
 
     # ---- ops ---------------------------------------------------------------------------
     def embed(self, table, meta: Meta):

@@ -128,7 +128,7 @@ class DecodeGraphs:
         seq_lens = np.ones(P, np.int32)
         seq_lens[:B] = step.seq_lens
         return Step(tokens=tokens, positions=positions, cu_seqlens=ar, slots=slots, block_tables=tables,
-                    seq_lens=seq_lens, logits_rows=ar[:P].copy())
+                    seq_lens=seq_lens, logits_rows=ar[:P].copy(), feed=step.feed)
 
     def _check_decode(self, step: Step) -> None:
         B = step.num_seqs

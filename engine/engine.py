@@ -190,6 +190,9 @@ class Engine:
         self.dead: BaseException | None = None
         self._stop = False
         self._trace = open(a.trace_steps, "a", buffering=1) if a.trace_steps else None
+        self.runner.timing = self._trace is not None
+        self._inflight = None                      # the sampling on the device, collected next step()
+        self._inflight_trace = None                # its step's trace line, completed when collected
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
         if start:
@@ -284,44 +287,92 @@ class Engine:
                 self._emit(req, RequestOutput(req.request_id, [], "", True, "error", error=why))
 
     def step(self, block: bool = False) -> None:
-        """One step boundary: take messages, schedule, run the forward, emit events."""
-        self._drain(block and not self._requests)
+        """One step boundary: take messages, schedule and launch the next forward, then deliver the
+        previous step's tokens and launch the new step's sampling.
+
+        The device runs ahead of the host by one step: the forward is enqueued before the host waits
+        for the previous step's tokens (a decode's input token reaches the forward on the device,
+        runner.py), so scheduling, metadata, detokenization and event delivery overlap the device's
+        work. A request that finishes on the token collected here was scheduled once more; that row
+        is computed and dropped (its KV reservation covers it). Results arrive one step() later: a
+        step's tokens are delivered by the next call."""
+        self._drain(block and not self._requests and self._inflight is None)
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch:
+        t1 = time.perf_counter()
+        launched, info = None, None
+        if batch:
+            with self._lock:
+                self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
+            if self._trace is not None:  # sizes before advance() moves num_computed
+                decode_rows = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
+                prefill_tokens = sum(n for req, n in batch if req.num_computed < len(req.prompt_ids))
+                kind = "decode" if not prefill_tokens else ("prefill" if not decode_rows else "mixed")
+                info = {"t": t0, "kind": kind, "batch": len(batch), "decode_rows": decode_rows,
+                        "prefill_tokens": prefill_tokens, "schedule_ms": (t1 - t0) * 1e3,
+                        "idle_ms": (t0 - self._last_step_end) * 1e3 if self._inflight is None else 0.0}
+            try:
+                launched = self.runner.forward(batch, self._inflight)
+            except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
+                self._fail_step(batch, e)
+            else:
+                for req, n in batch:
+                    self.scheduler.advance(req, n)
+                    self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
+                                                     max(req.num_computed - n, 0))
+        t2 = time.perf_counter()
+        if self._inflight is not None:
+            self._collect(self._inflight, t0 if batch else None)
+        if launched is not None and launched.sampled:
+            t3 = time.perf_counter()
+            try:
+                self._inflight = self.runner.sample(launched)
+            except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
+                self._fail_step(launched.batch, e)
+            else:
+                for req in self._inflight.requests:
+                    req.pending = 1
+                if info is not None:
+                    info.update(launch_ms=(t2 - t1) * 1e3, sample_ms=(time.perf_counter() - t3) * 1e3)
+                    self._inflight_trace = (info, launched.marks)
+        self._last_step_end = time.perf_counter()
+
+    def _collect(self, sampling, next_start: float | None) -> None:
+        """Waits for the sampling in flight and delivers its tokens. next_start: when the step after
+        it began (None: nothing launched), for its trace line."""
+        self._inflight = None
+        t0 = time.perf_counter()
+        try:
+            results = self.runner.collect(sampling)
+        except Exception as e:  # noqa: BLE001 - the device failed the step
+            for req in sampling.requests:
+                req.pending = 0
+            self._fail_step([(req, 1) for req in sampling.requests], e)
             return
         t1 = time.perf_counter()
-        if self._trace is not None:  # sizes before advance() moves num_computed
-            decode_rows = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
-            prefill_tokens = sum(n for req, n in batch if req.num_computed < len(req.prompt_ids))
-        with self._lock:
-            self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
-        try:
-            results = self.runner.run(batch)
-        except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
-            for req, _ in batch:
-                self._finish(req, "error", error=f"engine step failed (request {req.request_id}): "
-                                                 f"{type(e).__name__}: {e}")
-            return
-        for req, n in batch:
-            self.scheduler.advance(req, n)
-            self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
-                                             max(req.num_computed - n, 0))
-        t2 = time.perf_counter()
         for req, res in results:
+            req.pending = 0
+            if req.status is not Status.RUNNING:  # ended (abort, error) while its token was in flight
+                continue
             if isinstance(res, Exception):
                 self._finish(req, "error", error=f"{type(res).__name__}: {res}")
             else:
                 self._on_token(req, res)
-        if self._trace is not None:
-            t3 = time.perf_counter()
-            kind = "decode" if not prefill_tokens else ("prefill" if not decode_rows else "mixed")
-            self._trace.write(json.dumps({
-                "t": t0, "kind": kind, "batch": len(batch), "decode_rows": decode_rows,
-                "prefill_tokens": prefill_tokens, "schedule_ms": (t1 - t0) * 1e3,
-                "runner_ms": (t2 - t1) * 1e3,  # forward (synchronised by the logits copy) + sampling
-                "deliver_ms": (t3 - t2) * 1e3, "idle_ms": (t0 - self._last_step_end) * 1e3}) + "\n")
-            self._last_step_end = t3
+        trace, self._inflight_trace = self._inflight_trace, None
+        if trace is not None:
+            info, fwd = trace
+            t2 = time.perf_counter()
+            ops = self.runner.ops
+            info.update(wait_ms=(t1 - t0) * 1e3, deliver_ms=(t2 - t1) * 1e3,
+                        gpu_ms=ops.elapsed_ms(*fwd) + ops.elapsed_ms(*sampling.marks),
+                        step_ms=((next_start if next_start is not None else t2) - info["t"]) * 1e3)
+            self._trace.write(json.dumps(info) + "\n")
+
+    def _fail_step(self, batch, e: Exception) -> None:
+        for req, _ in batch:
+            if req.status is not Status.FINISHED:
+                self._finish(req, "error", error=f"engine step failed (request {req.request_id}): "
+                                                 f"{type(e).__name__}: {e}")
 
     def _drain(self, block: bool) -> None:
         try:

@@ -94,12 +94,18 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0           # tokens whose KV and recurrent state are in the cache
+    pending: int = 0                # 1 while its latest token is sampled on the device, not yet seen here
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def at_limit(self) -> bool:
+        """max_tokens is reached, counting a pending token: nothing more to compute."""
+        return len(self.output_ids) + self.pending >= self.max_tokens
 
     @property
     def lifetime_tokens(self) -> int:
@@ -107,6 +113,7 @@ class Request:
         return len(self.prompt_ids) + self.max_tokens
 
     def token_ids(self, start: int, stop: int) -> list[int]:
+        """Known token ids in [start, stop) (a pending token is not known yet)."""
         n = len(self.prompt_ids)
         return self.prompt_ids[start:stop] + self.output_ids[max(start - n, 0):max(stop - n, 0)]
 

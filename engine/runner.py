@@ -1,12 +1,21 @@
 """Model runner: turns the scheduler's (request, num_new_tokens) list into one Step, runs the
 forward, and samples one token for every sequence that reached the end of its known tokens.
-The only place where requests meet arrays."""
+The only place where requests meet arrays.
+
+Three calls, each enqueuing device work without waiting for it, so the engine can overlap its host
+work with the device (engine.py): forward() launches a step, sample() launches the sampling of its
+logits, collect() waits for the tokens and brings them to the host. A sampled token feeds the next
+forward on the device (Step.feed) before collect() has seen it.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .request import Request
-from .sampler import Sampler, SamplingRow, float_logits, is_argmax, take_rows
+import numpy as np
+
+from .request import Request, Status
+from .sampler import (HostCopy, PendingSample, Sampler, SamplingRow, array_module, float_logits, is_argmax,
+                      take_rows)
 from .step import Step
 
 
@@ -16,57 +25,133 @@ class Sampled:
     logprob: tuple[float, list[int], list[float]] | None
 
 
+@dataclass
+class Launched:
+    """A forward in flight."""
+    batch: list[tuple[Request, int]]
+    sampled: list[Request]   # the requests of the logits rows, in order
+    logits: object           # [len(sampled), vocab] on the backend's device
+    marks: tuple = ()        # (start, end) device marks when timing
+
+
+@dataclass
+class Sampling:
+    """A step's sampling in flight: one token per request, on the device until collect()."""
+    requests: list[Request]
+    row: dict                # request -> its row
+    tokens: object           # [R] sampled token ids (device): the next forward's feed
+    top: HostCopy            # [R, 2] int32 argmax / all-finite per row, on its way to the host
+    draw: PendingSample | None  # the sampler's rows (`drawn`), None when every row is plain greedy
+    drawn: list[int]
+    errors: dict[int, Exception] = field(default_factory=dict)  # row -> what ended that request alone
+    marks: tuple = ()
+
+
 class ModelRunner:
     def __init__(self, model, cache, sampler: Sampler, graphs=None):
         """graphs: a DecodeGraphs (CUDA) that replays pure-decode steps; None runs every step eagerly."""
         self.model, self.cache, self.sampler, self.graphs = model, cache, sampler, graphs
         self.ops = model.ops
+        self.timing = False  # mark device time around each forward and sampling (the step trace)
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
         self.logits_hook = None
 
-    def run(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, Sampled | Exception]]:
-        """Per sequence that sampled: its token, or the exception that ended only that request."""
+    def forward(self, batch: list[tuple[Request, int]], prev: Sampling | None) -> Launched:
+        """Launches the step. prev: the sampling in flight, whose tokens feed the decodes of requests
+        with a pending token."""
         fresh = [req.slot for req, _ in batch if req.num_computed == 0]
         if fresh:  # a sequence's first chunk: its (possibly reused) slot starts from zero state
             self.ops.reset_slots(self.cache, fresh)
-        chunks, want = [], []
+        chunks, want, dst, src, t = [], [], [], [], 0
         for req, n in batch:
             start = req.num_computed
-            chunks.append((req.token_ids(start, start + n), start, req.slot, req.block_ids))
+            ids = req.token_ids(start, start + n)
+            if req.pending:  # its last token is the one prev sampled: filled in on the device
+                dst.append(t + n - 1)
+                src.append(prev.row[req])
+                ids.append(0)
+            assert len(ids) == n, (req.request_id, start, n, len(ids))
+            chunks.append((ids, start, req.slot, req.block_ids))
             want.append(start + n == req.num_tokens)
-        step = Step.build(chunks, want)
+            t += n
+        feed = None
+        if dst:
+            src_rows = np.array(src, np.int64)
+            same = len(src) == len(prev.requests) and (src_rows == np.arange(len(src))).all()
+            xp = array_module(prev.tokens)
+            feed = (np.array(dst, np.int64), prev.tokens if same else prev.tokens[xp.asarray(src_rows)])
+        step = Step.build(chunks, want, feed)
+        start = self.ops.mark() if self.timing else None
         if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
             logits = self.graphs.run(step)  # every sequence decodes one token
         else:
             logits = self.model.forward(step, self.cache)
-        sampled = [req for (req, _), w in zip(batch, want) if w]
-        if not sampled:
-            return []
+        marks = (start, self.ops.mark()) if self.timing else ()
+        return Launched(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks)
+
+    def sample(self, launched: Launched) -> Sampling:
+        """Launches the sampling of the step's requests that are still running (one finished while the
+        step was in flight has nothing to sample). Their parameters read output_ids, so the previous
+        sampling must have been collected."""
+        start = self.ops.mark() if self.timing else None
+        live = [i for i, req in enumerate(launched.sampled) if req.status is Status.RUNNING]
+        reqs = [launched.sampled[i] for i in live]
+        logits = launched.logits
+        if len(live) < len(launched.sampled):
+            logits = take_rows(logits, live)
         # sampling runs where the logits are (on the GPU for the CUDA backend); the test hook gets
         # host logits, and then the sampling runs on the host
-        if self.logits_hook is not None:
-            logits = self.logits_hook(sampled, self.ops.to_host(logits))
+        if self.logits_hook is not None and reqs:
+            logits = self.logits_hook(reqs, self.ops.to_host(logits))
         logits = float_logits(logits)
-        # one pass over every row where the logits are: non-finite rows fail alone, plain greedy rows
-        # take the argmax, and only the rest go through the sampler
-        top, finite = self.ops.argmax_finite(logits)
-        results, ok, rows = [], [], []
-        for i, req in enumerate(sampled):
+        # one pass over every row where the logits are: non-finite rows fail alone (collect()), plain
+        # greedy rows take the argmax, and only the rest go through the sampler
+        top = self.ops.argmax_finite(logits)
+        rows, drawn, errors = [], [], {}
+        for j, req in enumerate(reqs):
             try:
-                if not finite[i]:
-                    raise FloatingPointError(f"non-finite logits for request {req.request_id}")
                 row = self._row(req, logits.shape[1])
-                if is_argmax(row):
-                    results.append((req, Sampled(int(top[i]), None)))
-                else:
+                if not is_argmax(row):
                     rows.append(row)
-                    ok.append(i)
+                    drawn.append(j)
             except Exception as e:  # noqa: BLE001 - ends this request only
-                results.append((req, e))
-        if ok:
-            out = self.sampler.sample(logits if len(ok) == len(sampled) else take_rows(logits, ok), rows)
-            results += [(sampled[i], Sampled(int(out.token_ids[j]), out.logprobs[j])) for j, i in enumerate(ok)]
-        return results
+                errors[j] = e
+        tokens, draw = top[:, 0], None
+        if drawn:
+            xp = array_module(top)
+            every = len(drawn) == len(reqs)
+            di = None if every else xp.asarray(np.array(drawn, np.int64))
+            x, fin = (logits, top[:, 1]) if every else (take_rows(logits, drawn), top[di, 1])
+            # a non-finite row fails in collect(); until then it draws from zeros, so that every token
+            # that may feed the next forward is a valid id
+            x = xp.where(fin[:, None] != 0, x, np.float32(0))
+            draw = self.sampler.start(x, rows)
+            if every:
+                tokens = draw.tokens
+            else:
+                tokens = tokens.astype(xp.int64)
+                tokens[di] = draw.tokens
+        marks = (start, self.ops.mark()) if self.timing else ()
+        return Sampling(reqs, {req: j for j, req in enumerate(reqs)}, tokens, HostCopy(top), draw, drawn, errors,
+                        marks)
+
+    def collect(self, s: Sampling) -> list[tuple[Request, Sampled | Exception]]:
+        """Waits for the sampling and returns, per request, its token or the exception that ended only
+        that request."""
+        top = s.top.result()
+        res = s.draw.fetch() if s.draw is not None else None
+        at = {j: k for k, j in enumerate(s.drawn)}
+        out = []
+        for j, req in enumerate(s.requests):
+            if not top[j, 1]:
+                out.append((req, FloatingPointError(f"non-finite logits for request {req.request_id}")))
+            elif j in s.errors:
+                out.append((req, s.errors[j]))
+            elif j in at:
+                out.append((req, Sampled(int(res.token_ids[at[j]]), res.logprobs[at[j]])))
+            else:
+                out.append((req, Sampled(int(top[j, 0]), None)))
+        return out
 
     @staticmethod
     def _row(req: Request, vocab: int) -> SamplingRow:

@@ -76,6 +76,30 @@ def to_numpy(a) -> np.ndarray:
     return a.get() if array_module(a) is not np else np.asarray(a)
 
 
+class HostCopy:
+    """An array's copy to the host, started now; result() waits for it. For a CuPy array the copy is
+    asynchronous (into pinned memory, then an event), so waiting for it does not also wait for device
+    work enqueued after it, as a plain .get() would."""
+
+    def __init__(self, a):
+        self._done = None
+        if array_module(a) is np:
+            self._host = np.asarray(a)
+            return
+        import cupy
+        import cupyx
+        a = cupy.ascontiguousarray(a)
+        self._host = cupyx.empty_pinned(a.shape, a.dtype)
+        cupy.asnumpy(a, out=self._host, blocking=False)
+        self._done = cupy.cuda.Event(disable_timing=True)
+        self._done.record()
+
+    def result(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
+
+
 def float_logits(a):
     """Logits as float32 where they live; uint16 arrays are bf16 raw bits (the backends' convention)."""
     xp = array_module(a)
@@ -222,6 +246,11 @@ class Sampler:
         return x, cand
 
     def sample(self, logits, rows: list[SamplingRow]) -> SampleResult:
+        return self.start(logits, rows).fetch()
+
+    def start(self, logits, rows: list[SamplingRow]) -> "PendingSample":
+        """sample() without waiting for the device: the tokens stay where the logits are (they can feed
+        the next forward before the host has seen them); fetch() brings everything to the host."""
         xp = array_module(logits)
         x, cand = self._process(logits, rows)
         R, V = x.shape
@@ -248,12 +277,22 @@ class Sampler:
                     tokens = _inverse_cdf(xp, x, d["uf"], tokens)
                 else:
                     tokens[d["gf"]] = _inverse_cdf(xp, x[d["gf"]], d["uf"], tokens[d["gf"]])
-        return self._results(xp, logits, rows, tokens)
+        return PendingSample.launch(xp, logits, rows, tokens)
 
-    @staticmethod
-    def _results(xp, logits, rows, tokens) -> SampleResult:
-        """Tokens, plus chosen-token and top-N logprobs from the raw logits (vLLM's default
-        raw_logprobs) for the rows that ask, brought to the host in one transfer."""
+
+@dataclass
+class PendingSample:
+    """A sampling enqueued on the logits' device: `tokens` [R] (int64, on the device), and the tokens with
+    the chosen and top-N logprobs (from the raw logits, vLLM's default raw_logprobs) of the rows that
+    ask, packed in one array on its way to the host (one transfer); fetch() waits for it."""
+    tokens: object
+    packed: HostCopy
+    rows: list[SamplingRow]
+    want: list[int]
+    N: int
+
+    @classmethod
+    def launch(cls, xp, logits, rows, tokens) -> "PendingSample":
         R = len(rows)
         want = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
         parts = [tokens.astype(xp.float64)]
@@ -269,13 +308,16 @@ class Sampler:
                 ids, n = _ranked(xp, raw, N)
                 top = (xp.take_along_axis(raw, ids, 1) - m) - ls
                 parts += [ids.ravel().astype(xp.float64), top.ravel().astype(xp.float64), n.astype(xp.float64)]
-        host = to_numpy(xp.concatenate(parts))
+        return cls(tokens, HostCopy(xp.concatenate(parts)), rows, want, min(N, logits.shape[1]))
+
+    def fetch(self) -> SampleResult:
+        rows, want, N, R = self.rows, self.want, self.N, len(self.rows)
+        host = self.packed.result()
         out: list = [None] * R
         if want:
             W = len(want)
             chosen = host[R:R + W]
             if N:
-                N = min(N, logits.shape[1])
                 ids = host[R + W:R + W + W * N].astype(np.int64).reshape(W, N)
                 top = host[R + W + W * N:R + W + 2 * W * N].reshape(W, N)
                 n = host[R + W + 2 * W * N:].astype(np.int64)

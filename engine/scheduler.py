@@ -4,6 +4,10 @@ Admission reserves a request's whole lifetime (prompt + max_tokens) of KV blocks
 slot, so a running request can never run out of cache and nothing is ever preempted. Waiting
 requests are admitted strictly FCFS: the head waits until it fits, later ones wait behind it
 (so a big request is never starved by a stream of small ones).
+
+A request's latest token may still be pending (sampled on the device, not yet seen by the host:
+engine.py overlaps the host's work with the next forward); it is scheduled like any other, except
+when that token is its last (max_tokens).
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ class Scheduler:
         decodes, prefills = [], []
         for req in self.running:
             n = req.num_tokens - req.num_computed
-            if n == 1 and budget > 0:
+            if n == 1 and budget > 0 and not req.at_limit:
                 decodes.append((req, 1))
                 budget -= 1
         for req in self.running:

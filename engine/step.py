@@ -2,6 +2,11 @@
 
 A step holds the new tokens of B sequences back to back (varlen, no padding). Sequences that
 decode one token come first, then prefills (whole prompts or chunks resuming at base_pos > 0).
+
+A decode token may not be on the host yet: the previous step sampled it on the device and the next
+forward is launched before the host has seen it (engine.py). `feed` names those rows and the
+device array their tokens come from; `tokens` holds 0 there until the backend's prepare() copies
+them in, on the device, in stream order.
 """
 from __future__ import annotations
 
@@ -19,13 +24,15 @@ class Step:
     block_tables: np.ndarray  # [B, max_blocks] int32, KV pages of each sequence
     seq_lens: np.ndarray      # [B] int32, context length after this step (base_pos + new tokens)
     logits_rows: np.ndarray   # [n] int32, rows whose logits are wanted (each sequence's last token)
+    feed: tuple | None = None  # (rows [k] ascending, token ids [k] on the backend's device) to fill in tokens
 
     @property
     def num_seqs(self) -> int:
         return len(self.slots)
 
     @classmethod
-    def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[bool] | None = None) -> "Step":
+    def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[bool] | None = None,
+              feed: tuple | None = None) -> "Step":
         """chunks: per sequence (new token ids, base_pos, slot, block ids)."""
         lens = [len(c[0]) for c in chunks]
         cu = np.zeros(len(chunks) + 1, np.int32)
@@ -41,4 +48,5 @@ class Step:
             cu_seqlens=cu, slots=np.array([c[2] for c in chunks], np.int32), block_tables=tables,
             seq_lens=np.array([c[1] + len(c[0]) for c in chunks], np.int32),
             logits_rows=np.array([cu[i + 1] - 1 for i in range(len(chunks)) if sample[i]], np.int32),
+            feed=feed,
         )

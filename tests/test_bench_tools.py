@@ -77,8 +77,8 @@ def test_window_gaps_take_gaps_ending_inside_the_window():
     assert sorted(gaps) == pytest.approx([0.1, 0.3, 0.3, 0.5])
 
 
-def _step(kind, decode_rows, prefill_tokens, runner_ms=10.0):
-    return {"kind": kind, "decode_rows": decode_rows, "prefill_tokens": prefill_tokens, "runner_ms": runner_ms}
+def _step(kind, decode_rows, prefill_tokens, step_ms=10.0):
+    return {"kind": kind, "decode_rows": decode_rows, "prefill_tokens": prefill_tokens, "step_ms": step_ms}
 
 
 def test_validity_needs_a_prefill_beside_the_full_background():
@@ -144,3 +144,36 @@ def test_mixed_gate_validity(tiny_dir, tmp_path, seqs, valid):
     assert saved["cells"][0]["valid"] is valid
     row = (tmp_path / f"mixed-{label}.md").read_text().splitlines()[2]
     assert row.startswith(f"| {label} | 2 | 128 | {'yes' if valid else 'no'} |") and row.endswith("| 3/0 |")
+
+
+# ---- bench_engine + trace_report ------------------------------------------------------------------
+def test_bench_engine_trace_and_report(tiny_dir, tmp_path):
+    """The in-process benchmark on the CPU, its kept trace, and the report of where its time went."""
+    import bench_engine as be
+    import trace_report as tr
+    trace = tmp_path / "steps.jsonl"
+    rows = be.main([str(tiny_dir), "--device", "cpu", "--input-len", "24", "--output-len", "6",
+                    "--concurrency", "1,3", "--max-num-batched-tokens", "32", "--trace-steps", str(trace)])
+    assert [r["concurrency"] for r in rows] == [1, 3] and all(0 < r["gpu_busy_frac"] <= 1.0 for r in rows)
+    lvl = rows[1]
+    s = tr.summary(tr.load(trace, tuple(lvl["window"])))
+    assert s["decode"] + s["mixed"] + s["prefill"] == s["steps"] > 0 and s["full_batch_rows"] == 3
+    assert s["full_batch_steps"] >= 1 and s["full_median_step_ms"] >= s["full_median_launch_ms"]
+    whole = tr.summary(tr.load(trace))
+    assert whole["steps"] > s["steps"]
+    md = tr.markdown(["a", "b"], [s, whole])
+    assert "| full-batch median step ms |" in md and md.count("\n") == 17
+
+
+def test_trace_report_on_a_synthetic_trace():
+    import trace_report as tr
+    base = dict(schedule_ms=0.1, launch_ms=0.3, sample_ms=0.1, wait_ms=2.0, deliver_ms=0.2, idle_ms=0.0)
+    steps = [dict(base, t=0.0, kind="prefill", decode_rows=0, prefill_tokens=100, gpu_ms=20.0, step_ms=21.0),
+             dict(base, t=0.021, kind="decode", decode_rows=2, prefill_tokens=0, gpu_ms=3.0, step_ms=3.5),
+             dict(base, t=0.0245, kind="decode", decode_rows=2, prefill_tokens=0, gpu_ms=3.0, step_ms=3.0),
+             dict(base, t=0.0275, kind="decode", decode_rows=1, prefill_tokens=0, gpu_ms=2.5, step_ms=2.5)]
+    s = tr.summary(steps)
+    assert (s["decode"], s["prefill"], s["full_batch_rows"], s["full_batch_steps"]) == (3, 1, 2, 2)
+    assert s["wall_s"] == pytest.approx(0.03) and s["gpu_busy_frac"] == pytest.approx(28.5e-3 / 0.03)
+    assert s["full_median_step_ms"] == pytest.approx(3.25) and s["full_median_host_ms"] == pytest.approx(0.7)
+    assert s["full_median_host_over_device_ms"] == pytest.approx(0.25) and s["prefill_step_s"] == pytest.approx(0.021)

@@ -169,6 +169,7 @@ def test_llm_generate_forms(llm):
 def test_generation_config_defaults_apply(tiny_dir):
     eng, col = make(tiny_dir)
     rid = eng.submit([1, 2], SamplingParams(max_tokens=1), col)
+    eng.step(block=False)  # prefill and sampling launched; the token is delivered by the next step
     eng.step(block=False)
     assert col.last(rid).finished
     p = SamplingParams().with_defaults(eng.cfg.sampling_defaults)
@@ -413,4 +414,7 @@ def test_step_trace(tiny_dir, tmp_path):
     mixed = [s for s in steps if s["kind"] == "mixed"]
     assert mixed and all(s["decode_rows"] == 1 and 0 < s["prefill_tokens"] <= 15 for s in mixed)
     assert steps[-1]["kind"] == "decode"
-    assert all(s["runner_ms"] >= 0 and s["idle_ms"] >= 0 for s in steps)
+    keys = ("schedule_ms", "launch_ms", "sample_ms", "wait_ms", "deliver_ms", "gpu_ms", "step_ms", "idle_ms")
+    assert all(s[k] >= 0 for s in steps for k in keys)
+    assert all(s["gpu_ms"] > 0 and s["step_ms"] >= s["launch_ms"] for s in steps)
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)

@@ -49,7 +49,7 @@ def test_admission_reserves_whole_lifetime_and_frees_together():
 
 def test_decodes_first_then_chunked_prefill_within_budget():
     s = sched(budget=8)
-    a, b = req("a", 3), req("b", 20)
+    a, b = req("a", 3, max_tokens=8), req("b", 20)
     s.add(a)
     run_step(s, s.schedule())                   # a prefilled, has one output token
     s.add(b)
@@ -65,6 +65,21 @@ def test_decodes_first_then_chunked_prefill_within_budget():
     run_step(s, batch)
     assert b.num_computed == 20 and len(b.output_ids) == 1
     assert s.schedule() == [(a, 1), (b, 1)]
+
+
+def test_pending_token_is_scheduled_unless_it_is_the_last():
+    """A token sampled on the device but not yet seen by the host counts as known: the request decodes
+    it next step; once it is the max_tokens-th, the request is not scheduled again."""
+    s = sched()
+    a = req("a", 3, max_tokens=2)
+    s.add(a)
+    batch = s.schedule()
+    s.advance(a, 3)
+    a.pending = 1                               # the first token is on the device
+    assert batch == [(a, 3)] and s.schedule() == [(a, 1)] and a.token_ids(3, 4) == []
+    s.advance(a, 1)
+    a.output_ids.append(7)                      # collected; the second is now pending
+    assert a.num_tokens == 5 and a.at_limit and s.schedule() == []
 
 
 def test_max_num_seqs_and_fcfs_deferral():

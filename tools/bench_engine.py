@@ -1,6 +1,7 @@
 """In-process engine benchmark (no HTTP): the same random workload as bench_serving at several
-concurrency levels, reporting TTFT, TPOT (vLLM's definitions), output tokens/s and the fraction of
-wall time the engine spent in the runner (forward + sampling), read from the step trace.
+concurrency levels, reporting TTFT, TPOT (vLLM's definitions), output tokens/s, the fraction of wall
+time the device was busy (forward + sampling, device-timed) and the median period of full-batch decode
+steps, read from the step trace.
 
     python tools/bench_engine.py MODEL_DIR --input-len 1024 --output-len 256 --concurrency 1,4,8,16,32,64
 """
@@ -55,9 +56,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-model-len", type=int, default=0, help="default: input + output + 16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace-steps", default=None, metavar="FILE", help="keep the step trace (tools/trace_report.py)")
     a = ap.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
-    trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    trace = Path(a.trace_steps or Path(tempfile.mkdtemp()) / "steps.jsonl")
+    trace.unlink(missing_ok=True)
     eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
                  max_model_len=a.max_model_len or a.input_len + a.output_len + 16,
                  max_num_batched_tokens=max(a.max_num_batched_tokens, max(levels)))
@@ -74,15 +77,17 @@ def main(argv=None) -> list[dict]:
         steps = [s for s in steps if s["t"] >= start]
         ttft = [r[0] for r in res]
         tpot = [(r[1] - r[0]) / (r[2] - 1) for r in res if r[2] > 1]
-        decode = [s["runner_ms"] for s in steps if s["kind"] == "decode" and s["decode_rows"] == c]
-        rows.append({"concurrency": c, "requests": n, "mean_ttft_ms": 1e3 * float(np.mean(ttft)),
+        decode = [s["step_ms"] for s in steps if s["kind"] == "decode" and s["decode_rows"] == c]
+        rows.append({"concurrency": c, "requests": n, "window": [start, start + wall],
+                     "mean_ttft_ms": 1e3 * float(np.mean(ttft)),
                      "median_tpot_ms": 1e3 * float(np.median(tpot)), "mean_tpot_ms": 1e3 * float(np.mean(tpot)),
                      "output_tok_s": sum(r[2] for r in res) / wall,
-                     "runner_busy_frac": sum(s["runner_ms"] for s in steps) / 1e3 / wall,
+                     "gpu_busy_frac": sum(s["gpu_ms"] for s in steps) / 1e3 / wall,
                      "full_batch_decode_step_ms": float(np.median(decode)) if decode else None})
         r = rows[-1]
         print(f"c={c:3d}  TTFT {r['mean_ttft_ms']:8.1f} ms  TPOT {r['median_tpot_ms']:7.2f} ms  "
-              f"{r['output_tok_s']:8.1f} tok/s  busy {r['runner_busy_frac']:.2f}", flush=True)
+              f"{r['output_tok_s']:8.1f} tok/s  GPU busy {r['gpu_busy_frac']:.2f}  "
+              f"full-batch decode step {r['full_batch_decode_step_ms'] or 0:.2f} ms", flush=True)
     eng.shutdown()
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

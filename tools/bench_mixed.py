@@ -70,10 +70,10 @@ def window_gaps(results: list[bs.RequestResult], t0: float, t1: float) -> list[f
 
 def trace_summary(steps: list[dict], background: int) -> dict:
     hit = [s for s in steps if s["prefill_tokens"] > 0 and s["decode_rows"] >= background]
-    full = [s["runner_ms"] for s in steps if s["kind"] == "decode" and s["decode_rows"] >= background]
+    full = [s["step_ms"] for s in steps if s["kind"] == "decode" and s["decode_rows"] >= background]
     return {"valid": bool(hit), "valid_steps": len(hit), "steps": len(steps),
             "max_decode_rows": max((s["decode_rows"] for s in steps), default=0),
-            "max_valid_step_ms": max((s["runner_ms"] for s in hit), default=None),
+            "max_valid_step_ms": max((s["step_ms"] for s in hit), default=None),
             "median_full_decode_step_ms": float(np.median(full)) if full else None}
 
 
