@@ -43,7 +43,7 @@ def summary(steps: list[dict]) -> dict:
         "steps": len(steps), **kinds, "wall_s": wall,
         "gpu_busy_frac": sum(s["gpu_ms"] for s in steps) / 1e3 / wall if wall > 0 else None,
         "prefill_step_s": sum(s["step_ms"] for s in steps if s["kind"] != "decode") / 1e3,
-        "idle_s": sum(s["idle_ms"] for s in steps) / 1e3,
+        "idle_s": sum(s["idle_ms"] for s in steps[1:]) / 1e3,  # the first step's idle precedes the window
         "full_batch_rows": full_rows, "full_batch_steps": len(full),
         **{f"full_median_{k}": v for k, v in med.items()},
         "full_median_host_ms": float(np.median(host)) if host else None,
@@ -57,7 +57,7 @@ def markdown(labels: list[str], sums: list[dict]) -> str:
             ("wall s", lambda s: f"{s['wall_s']:.2f}"),
             ("device busy", lambda s: f"{s['gpu_busy_frac']:.1%}"),
             ("time in steps with prefill, s", lambda s: f"{s['prefill_step_s']:.2f}"),
-            ("engine idle (nothing in flight), s", lambda s: f"{s['idle_s']:.2f}"),
+            ("engine idle between steps (nothing in flight), s", lambda s: f"{s['idle_s']:.2f}"),
             ("full-batch decode steps (rows)", lambda s: f"{s['full_batch_steps']} ({s['full_batch_rows']})")]
     rows += [(f"full-batch median {k[:-3]} ms", lambda s, k=k: f"{s.get('full_median_' + k, float('nan')):.3f}")
              for k in ("step_ms",) + PHASES]
