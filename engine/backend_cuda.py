@@ -263,7 +263,8 @@ class CudaBackend:
 
     @staticmethod
     def elapsed_ms(a, b) -> float:
-        """Device time between two marks (both must have completed)."""
+        """Device time between two marks (waits for the later one)."""
+        b.synchronize()
         return cupy.cuda.get_elapsed_time(a, b)
 
     def argmax_finite(self, x):

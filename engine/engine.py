@@ -192,7 +192,7 @@ class Engine:
         self._trace = open(a.trace_steps, "a", buffering=1) if a.trace_steps else None
         self.runner.timing = self._trace is not None
         self._inflight = None                      # the sampling on the device, collected next step()
-        self._inflight_trace = None                # its step's trace line, completed when collected
+        self._step_trace = None                    # the last launched step's trace line, written next step()
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
         if start:
@@ -321,25 +321,31 @@ class Engine:
                     self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
                                                      max(req.num_computed - n, 0))
         t2 = time.perf_counter()
-        if self._inflight is not None:
-            self._collect(self._inflight, t0 if batch else None)
+        prev, self._step_trace = self._step_trace, None  # the previous step's trace line, completed here
+        waited = self._collect(self._inflight) if self._inflight is not None else (0.0, 0.0, ())
+        if prev is not None:
+            self._write_trace(prev, *waited, next_start=t0 if batch else time.perf_counter())
         if launched is not None and launched.sampled:
             t3 = time.perf_counter()
             try:
                 self._inflight = self.runner.sample(launched)
             except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
                 self._fail_step(launched.batch, e)
+                info = None
             else:
                 for req in self._inflight.requests:
                     req.pending = 1
-                if info is not None:
-                    info.update(launch_ms=(t2 - t1) * 1e3, sample_ms=(time.perf_counter() - t3) * 1e3)
-                    self._inflight_trace = (info, launched.marks)
+            if info is not None:
+                info["sample_ms"] = (time.perf_counter() - t3) * 1e3
+        if launched is not None and info is not None:
+            info["launch_ms"] = (t2 - t1) * 1e3
+            info.setdefault("sample_ms", 0.0)
+            self._step_trace = (info, launched.marks)
         self._last_step_end = time.perf_counter()
 
-    def _collect(self, sampling, next_start: float | None) -> None:
-        """Waits for the sampling in flight and delivers its tokens. next_start: when the step after
-        it began (None: nothing launched), for its trace line."""
+    def _collect(self, sampling) -> tuple[float, float, tuple]:
+        """Waits for the sampling in flight and delivers its tokens. Returns (ms waiting for the device,
+        ms delivering, the sampling's device marks) for the step trace."""
         self._inflight = None
         t0 = time.perf_counter()
         try:
@@ -348,7 +354,7 @@ class Engine:
             for req in sampling.requests:
                 req.pending = 0
             self._fail_step([(req, 1) for req in sampling.requests], e)
-            return
+            return (time.perf_counter() - t0) * 1e3, 0.0, ()
         t1 = time.perf_counter()
         for req, res in results:
             req.pending = 0
@@ -358,15 +364,16 @@ class Engine:
                 self._finish(req, "error", error=f"{type(res).__name__}: {res}")
             else:
                 self._on_token(req, res)
-        trace, self._inflight_trace = self._inflight_trace, None
-        if trace is not None:
-            info, fwd = trace
-            t2 = time.perf_counter()
-            ops = self.runner.ops
-            info.update(wait_ms=(t1 - t0) * 1e3, deliver_ms=(t2 - t1) * 1e3,
-                        gpu_ms=ops.elapsed_ms(*fwd) + ops.elapsed_ms(*sampling.marks),
-                        step_ms=((next_start if next_start is not None else t2) - info["t"]) * 1e3)
-            self._trace.write(json.dumps(info) + "\n")
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
+
+    def _write_trace(self, step_trace, wait_ms: float, deliver_ms: float, sample_marks: tuple, next_start: float):
+        """One JSON line for a step: sizes and host phases from its launch, device time from its marks,
+        the period until the next step began."""
+        info, fwd = step_trace
+        ops = self.runner.ops
+        gpu = (ops.elapsed_ms(*fwd) if fwd else 0.0) + (ops.elapsed_ms(*sample_marks) if sample_marks else 0.0)
+        info.update(wait_ms=wait_ms, deliver_ms=deliver_ms, gpu_ms=gpu, step_ms=(next_start - info["t"]) * 1e3)
+        self._trace.write(json.dumps(info) + "\n")
 
     def _fail_step(self, batch, e: Exception) -> None:
         for req, _ in batch:

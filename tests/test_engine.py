@@ -409,11 +409,14 @@ def test_step_trace(tiny_dir, tmp_path):
     eng.step()
     b = eng.submit(prompt(2, 40), SamplingParams(max_tokens=2, **GREEDY), col)  # chunks while a decodes
     drive(eng, col, [a, b])
+    c = eng.submit(prompt(3, 40), SamplingParams(max_tokens=1, **GREEDY), col)  # alone: 16, 16, 8 tokens
+    drive(eng, col, [c])
     steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [s["prefill_tokens"] for s in steps[-3:]] == [16, 16, 8]  # steps that sample nothing count too
     assert steps[0]["kind"] == "prefill" and steps[0]["prefill_tokens"] == 5
     mixed = [s for s in steps if s["kind"] == "mixed"]
     assert mixed and all(s["decode_rows"] == 1 and 0 < s["prefill_tokens"] <= 15 for s in mixed)
-    assert steps[-1]["kind"] == "decode"
+    assert steps[-4]["kind"] == "decode"
     keys = ("schedule_ms", "launch_ms", "sample_ms", "wait_ms", "deliver_ms", "gpu_ms", "step_ms", "idle_ms")
     assert all(s[k] >= 0 for s in steps for k in keys)
     assert all(s["gpu_ms"] > 0 and s["step_ms"] >= s["launch_ms"] for s in steps)
