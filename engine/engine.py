@@ -367,8 +367,9 @@ class Engine:
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
 
     def _write_trace(self, step_trace, wait_ms: float, deliver_ms: float, sample_marks: tuple, next_start: float):
-        """One JSON line for a step: sizes and host phases from its launch, device time from its marks,
-        the period until the next step began."""
+        """One JSON line for a step: sizes and host phases from its launch, device time (gpu_ms) from its
+        marks, and step_ms, the period from its launch to the next one's. The device runs one step
+        ahead, so a long step's wall time shows in the period of the step after it; gpu_ms is its own."""
         info, fwd = step_trace
         ops = self.runner.ops
         gpu = (ops.elapsed_ms(*fwd) if fwd else 0.0) + (ops.elapsed_ms(*sample_marks) if sample_marks else 0.0)

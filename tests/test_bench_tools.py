@@ -78,7 +78,8 @@ def test_window_gaps_take_gaps_ending_inside_the_window():
 
 
 def _step(kind, decode_rows, prefill_tokens, step_ms=10.0):
-    return {"kind": kind, "decode_rows": decode_rows, "prefill_tokens": prefill_tokens, "step_ms": step_ms}
+    return {"kind": kind, "decode_rows": decode_rows, "prefill_tokens": prefill_tokens, "step_ms": step_ms,
+            "gpu_ms": step_ms - 1.0}
 
 
 def test_validity_needs_a_prefill_beside_the_full_background():
@@ -87,7 +88,7 @@ def test_validity_needs_a_prefill_beside_the_full_background():
     s = bx.trace_summary(steps, 4)
     assert not s["valid"] and s["max_decode_rows"] == 4 and s["median_full_decode_step_ms"] == 8.5
     s = bx.trace_summary(steps + [_step("mixed", 4, 1024, 90.0)], 4)
-    assert s["valid"] and s["valid_steps"] == 1 and s["max_valid_step_ms"] == 90.0
+    assert s["valid"] and s["valid_steps"] == 1 and s["max_valid_step_gpu_ms"] == 89.0
     assert not bx.trace_summary([], 4)["valid"]
 
 
