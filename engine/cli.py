@@ -1,4 +1,4 @@
-"""The `qwen35` command: serve, generate, make-model."""
+"""The `qwen35` command: serve, generate, make-model, bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,19 @@ def _serve(a: argparse.Namespace) -> None:
           engine_args=engine_kwargs(a), log_level=a.uvicorn_log_level)
 
 
+def _bench(argv: list[str]):
+    """The benchmark clients live in the source tree's tools/ (not a package): `pip install -e .` keeps it."""
+    from pathlib import Path
+    if argv[:1] != ["serve"]:
+        raise SystemExit("usage: qwen35 bench serve [--help | bench_serving options]")
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    if not (tools / "bench_serving.py").is_file():
+        raise SystemExit(f"qwen35 bench needs the source tree's tools/ ({tools} not found): install with pip install -e")
+    sys.path.insert(0, str(tools))
+    import bench_serving
+    bench_serving.main(argv[1:])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="qwen35", description="a small serving engine for the dense Qwen3.5 models")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -71,10 +84,14 @@ def main(argv=None) -> None:
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     s.add_argument("--uvicorn-log-level", default="info")
     sub.add_parser("make-model", help="write a random-weight checkpoint", add_help=False)
+    sub.add_parser("bench", help="`qwen35 bench serve ...`: tools/bench_serving.py (vllm bench serve's metrics)",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-model"]:
         from .checkpoint import main as make_main
         return make_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     a = ap.parse_args(argv)
     if a.cmd == "generate":
         _generate(a)

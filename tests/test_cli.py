@@ -22,3 +22,13 @@ def test_make_model_command(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "m" / "tokenizer.json").is_file() and (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_bench_serve_command():
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage: qwen35 bench serve" in out.stdout and "--max-concurrency" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "latency"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "qwen35 bench serve" in bad.stderr
