@@ -266,6 +266,7 @@ class Engine:
         try:
             while not self._stop:
                 self.step(block=True)
+            self._flush()  # a step in flight still delivers its tokens
             self._fail_all("engine shut down")
         except BaseException as e:  # noqa: BLE001 - record it for /health, tell every request
             self.dead = e
@@ -300,7 +301,7 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
-        launched, info = None, None
+        launched, info, failure = None, None, None
         if batch:
             with self._lock:
                 self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
@@ -315,33 +316,40 @@ class Engine:
                 launched = self.runner.forward(batch, self._inflight)
             except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
                 self._fail_step(batch, e)
+                failure = e
             else:
                 for req, n in batch:
                     self.scheduler.advance(req, n)
                     self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
                                                      max(req.num_computed - n, 0))
         t2 = time.perf_counter()
-        prev, self._step_trace = self._step_trace, None  # the previous step's trace line, completed here
-        waited = self._collect(self._inflight) if self._inflight is not None else (0.0, 0.0, ())
-        if prev is not None:
-            self._write_trace(prev, *waited, next_start=t0 if batch else time.perf_counter())
+        self._flush(t0 if batch else None)
+        t3 = time.perf_counter()
         if launched is not None and launched.sampled:
-            t3 = time.perf_counter()
             try:
                 self._inflight = self.runner.sample(launched)
             except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
                 self._fail_step(launched.batch, e)
-                info = None
+                failure = e
             else:
                 for req in self._inflight.requests:
                     req.pending = 1
-            if info is not None:
-                info["sample_ms"] = (time.perf_counter() - t3) * 1e3
-        if launched is not None and info is not None:
-            info["launch_ms"] = (t2 - t1) * 1e3
-            info.setdefault("sample_ms", 0.0)
-            self._step_trace = (info, launched.marks)
+        if info is not None:
+            info.update(launch_ms=(t2 - t1) * 1e3, sample_ms=(time.perf_counter() - t3) * 1e3)
+            if failure is not None:  # its line now: nothing of it is in flight
+                info["error"] = f"{type(failure).__name__}: {failure}"
+                self._write_trace((info, ()), 0.0, 0.0, (), next_start=time.perf_counter())
+            else:
+                self._step_trace = (info, launched.marks)
         self._last_step_end = time.perf_counter()
+
+    def _flush(self, next_start: float | None = None) -> None:
+        """Collects the sampling in flight (delivering its tokens) and writes the previous step's trace
+        line. next_start: when the step after it began (None: now)."""
+        prev, self._step_trace = self._step_trace, None
+        waited = self._collect(self._inflight) if self._inflight is not None else (0.0, 0.0, ())
+        if prev is not None:
+            self._write_trace(prev, *waited, next_start=next_start if next_start is not None else time.perf_counter())
 
     def _collect(self, sampling) -> tuple[float, float, tuple]:
         """Waits for the sampling in flight and delivers its tokens. Returns (ms waiting for the device,

@@ -421,3 +421,58 @@ def test_step_trace(tiny_dir, tmp_path):
     assert all(s[k] >= 0 for s in steps for k in keys)
     assert all(s["gpu_ms"] > 0 and s["step_ms"] >= s["launch_ms"] for s in steps)
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+
+
+# ---- the device one step ahead: paths around a step in flight ------------------------------------
+def _lines(path):
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_shutdown_delivers_the_step_in_flight(tiny_dir, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    eng, col = make(tiny_dir, trace_steps=str(path))
+    rid = eng.submit(prompt(1, 5), SamplingParams(max_tokens=2, **GREEDY), col)
+    eng.step()
+    eng.step()  # the first token delivered; the second sampled, still in flight
+    assert len(col.tokens(rid)) == 1 and not col.last(rid).finished
+    eng._stop = True
+    eng._loop()  # what the loop thread does once shutdown() is called
+    assert col.last(rid).finish_reason == "length" and len(col.tokens(rid)) == 2
+    assert len(_lines(path)) == 2
+
+
+def test_failed_forward_with_a_step_in_flight(tiny_dir, llm, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    eng, col = make(tiny_dir, trace_steps=str(path))
+    a = eng.submit(prompt(1, 5), SamplingParams(max_tokens=6, **GREEDY), col)
+    eng.step()  # a's first token in flight
+
+    def boom(batch, prev):
+        raise RuntimeError("injected forward failure")
+    real, eng.runner.forward = eng.runner.forward, boom
+    eng.step()  # a's decode fails: a ends with the error; its token in flight is dropped
+    eng.runner.forward = real
+    assert col.last(a).finish_reason == "error" and "injected forward failure" in col.last(a).error
+    assert col.tokens(a) == []
+    st = eng.stats()
+    assert st.kv_blocks_used == 0 and st.state_slots_free == st.state_slots_total and st.running == 0
+    p = prompt(2, 9)
+    b = eng.submit(p, SamplingParams(max_tokens=4, **GREEDY), col)  # still serving, in a's slot
+    drive(eng, col, [b])
+    assert col.tokens(b) == llm.generate([p], SamplingParams(max_tokens=4, **GREEDY))[0].token_ids
+    lines = _lines(path)
+    assert [("error" in s) for s in lines[:2]] == [False, True] and "injected" in lines[1]["error"]
+
+
+def test_abort_with_a_token_in_flight_frees_the_slot_for_the_next(tiny_dir, llm):
+    eng, col = make(tiny_dir, max_num_seqs=1)
+    a = eng.submit(prompt(3, 5), SamplingParams(max_tokens=50, **GREEDY), col)
+    eng.step()
+    eng.step()  # a decoding, a token in flight
+    p = prompt(4, 7)
+    b = eng.submit(p, SamplingParams(max_tokens=4, **GREEDY), col)  # waits (max_num_seqs 1)
+    eng.abort(a)
+    drive(eng, col, [a, b])  # next step: a aborted, b admitted into its slot and blocks
+    assert col.last(a).finish_reason == "abort" and len(col.tokens(a)) == 1
+    assert col.tokens(b) == llm.generate([p], SamplingParams(max_tokens=4, **GREEDY))[0].token_ids
