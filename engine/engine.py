@@ -315,7 +315,7 @@ class Engine:
             try:
                 launched = self.runner.forward(batch, self._inflight)
             except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
-                self._fail_step(batch, e)
+                self._fail_step([req for req, _ in batch], e)
                 failure = e
             else:
                 for req, n in batch:
@@ -329,7 +329,7 @@ class Engine:
             try:
                 self._inflight = self.runner.sample(launched)
             except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
-                self._fail_step(launched.batch, e)
+                self._fail_step([req for req, _ in launched.batch], e)
                 failure = e
             else:
                 for req in self._inflight.requests:
@@ -361,7 +361,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the device failed the step
             for req in sampling.requests:
                 req.pending = 0
-            self._fail_step([(req, 1) for req in sampling.requests], e)
+            self._fail_step(sampling.requests, e)
             return (time.perf_counter() - t0) * 1e3, 0.0, ()
         t1 = time.perf_counter()
         for req, res in results:
@@ -384,8 +384,9 @@ class Engine:
         info.update(wait_ms=wait_ms, deliver_ms=deliver_ms, gpu_ms=gpu, step_ms=(next_start - info["t"]) * 1e3)
         self._trace.write(json.dumps(info) + "\n")
 
-    def _fail_step(self, batch, e: Exception) -> None:
-        for req, _ in batch:
+    def _fail_step(self, reqs, e: Exception) -> None:
+        """A whole step failed: ends each of its requests still running with an error naming it."""
+        for req in reqs:
             if req.status is not Status.FINISHED:
                 self._finish(req, "error", error=f"engine step failed (request {req.request_id}): "
                                                  f"{type(e).__name__}: {e}")
