@@ -28,19 +28,6 @@
 #define PF_ROWS 64  // query rows (token, head pairs) per CTA: 4 warps x 16 (in each key group)
 #define PF_KEYS 64  // keys per block
 
-__device__ __forceinline__ unsigned pf_smem_addr(const void* p) {
-    unsigned r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16 bytes global -> shared, asynchronously; src_bytes 0 zero-fills the destination (nothing is read)
-__device__ __forceinline__ void pf_cp_async16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void pf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void pf_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 __device__ __forceinline__ void pf_ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -86,7 +73,7 @@ __device__ __forceinline__ void pf_load_kv(const bf16_t* __restrict__ cache, uns
             src = cache + ((((page << bs_shift) + (j & bs_mask)) * nkv + kvh) * HD + c * 8);
             bytes = 16;
         }
-        pf_cp_async16(dst + row * (HD * 2) + ((c ^ (row & 7)) << 4), src, bytes);
+        cp_async16(dst + row * (HD * 2) + ((c ^ (row & 7)) << 4), src, bytes);
     }
 }
 
@@ -115,7 +102,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int grp = warp >> 2, wq = warp & 3, gtid = tid & 127;  // key group; the warp's 16-row slice
-    const unsigned sQ = pf_smem_addr(pf_smem);
+    const unsigned sQ = smem_addr(pf_smem);
     const unsigned sK = sQ + PF_ROWS * RB + grp * 2 * PF_KEYS * RB, sV = sK + PF_KEYS * RB;
 
     const int kvh = blockIdx.x;
@@ -143,11 +130,11 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
             src = q + (((long long)(t0 + tok) * nh + kvh * G + g) * HD + c * 8);
             bytes = 16;
         }
-        pf_cp_async16(sQ + row * RB + ((c ^ (row & 7)) << 4), src, bytes);
+        cp_async16(sQ + row * RB + ((c ^ (row & 7)) << 4), src, bytes);
     }
     if (grp < nblocks) pf_load_kv<HD>(kc, sK, grp, n_keys, table, bs_shift, nkv, kvh, gtid);
-    pf_cp_commit();
-    pf_cp_wait_all();
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();  // Q (written by both groups) visible to all
 
     // ---- per-thread constants
@@ -176,10 +163,10 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
 
     // group grp takes key blocks grp, grp + 2, ... (its own K/V buffers and barrier)
     for (int kb = grp; kb < nblocks; kb += 2) {
-        pf_cp_wait_all();
+        cp_async_wait<0>();
         pf_group_sync(grp);  // K(kb) landed for the whole group; the group is done with V(kb - 2)
         pf_load_kv<HD>(vc, sV, kb, n_keys, table, bs_shift, nkv, kvh, gtid);
-        pf_cp_commit();
+        cp_async_commit();
 
         // S = Q K^T: 16 rows x 64 keys per warp, 8 n8 tiles
         float s[8][4];
@@ -243,11 +230,11 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
             pa[kk][3] = pf_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
 
-        pf_cp_wait_all();
+        cp_async_wait<0>();
         pf_group_sync(grp);  // V(kb) landed for the whole group; the group is done with K(kb)
         if (kb + 2 < nblocks) {
             pf_load_kv<HD>(kc, sK, kb + 2, n_keys, table, bs_shift, nkv, kvh, gtid);
-            pf_cp_commit();
+            cp_async_commit();
         }
 
         // O += P V

@@ -64,3 +64,13 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     __syncthreads();
     return r;
 }
+
+// Asynchronous 16-byte global -> shared copies (sm_80+), bypassing registers. src_bytes = 0 writes zeros
+// and reads nothing. cp_async_wait<N>: wait until at most N committed groups are still in flight.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

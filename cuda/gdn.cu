@@ -258,22 +258,16 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     if (tid < L) aux[((long long)(t0 + tid) * nv + h) * 4] = s_gam[tid];
 }
 
-// 16-byte global -> shared copy that bypasses registers; ok == false writes zeros (src not read).
-__device__ __forceinline__ void cp_async16(float* dst, const float* src, bool ok) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(d), "l"(src), "r"(ok ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
-
 // Rows [0, 64) x `n4` float4s of a [T, nv, width] tensor's chunk (head h) into smem rows of `width`.
 __device__ __forceinline__ void load_rows(float* dst, const float* src, int t0, int L, int nv, int h, int width,
                                           int col0, int n4) {
     for (int idx = threadIdx.x; idx < GDN_C * n4; idx += blockDim.x) {
         const int i = idx / n4, c = (idx - i * n4) * 4;
         const bool ok = i < L;
-        cp_async16(dst + i * n4 * 4 + c, ok ? src + ((long long)(t0 + i) * nv + h) * width + col0 + c : src, ok);
+        cp_async16(smem_addr(dst + i * n4 * 4 + c), ok ? src + ((long long)(t0 + i) * nv + h) * width + col0 + c : src,
+                   ok ? 16 : 0);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
 }
 
 // Grid (dv/32, nv, B), 32 * gdn_state_warps(DK) threads. The block's state tile S [DK][32] lives in shared
@@ -318,7 +312,7 @@ __global__ void __launch_bounds__(512) gdn_chunk_state(
         load_rows(sP, P, t0, L, nv, h, GDN_C, 0, GDN_C / 4);
         load_rows(sU, U, t0, L, nv, h, dv, col0, 8);
         const float decay = expf(aux[((long long)(t0 + L - 1) * nv + h) * 4]);
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
 
         // v_new = U - W S and the first half of o = Qs S  (rows warp*RW .. +RW-1, column lane)
