@@ -212,6 +212,131 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     }
 }
 
+// Batch-invariant GEMM for any M (CudaBackend(batch_invariant=True) runs it for M > GEMV_MAX_M): every
+// output is bit-identical to gemv_bf16's for the same (N, K, nw), so a row's result is the same in a
+// decode step of 1..16 rows (gemv_bf16) and in a prefill or mixed step of thousands (this kernel).
+// It reproduces gemv_bf16's order exactly: the same mma fragments (lane (g, tg) holds W rows g and g + 8
+// and x row g at k = 32 * step + 8 * tg .. + 7, words 0,1 then 2,3), one mma chain per K slice
+// [w * S / nw, (w + 1) * S / nw) of the S = K / 32 steps (the last slice also takes the zero-padded
+// partial step when K % 32 != 0) started from zero, and the slices summed in order w = 0 .. nw-1
+// (slice 0 taken as is, as gemv's `v = red[0]`). Unlike gemv_bf16 (one slice per warp, W streamed once
+// per 16 rows), a CTA walks the slices one after another over a 128 (W rows) x 64 (x rows) tile staged in
+// shared memory, so each W and x element is reused 64 and 128 times: a tensor-core GEMM, with a second
+// accumulator set for the fold.
+// 8 warps as 4 (W rows) x 2 (x rows), each 32 x 32 (2 W groups x 4 x tiles); one 32-k step per pipeline
+// stage, GI_STAGES stages of cp.async in flight (zero-filled past N, M and K). Shared rows are 64 bytes
+// (one step of one row), so a warp's fragment load (8 rows x 64 contiguous bytes) is conflict free.
+// Grid (ceil(M / 64), ceil(N / 128)): the x-row tiles of one W tile run next to each other, so W comes
+// from HBM about once and the re-reads hit L2. Requires K % 8 == 0, x's row stride % 8 == 0, 16-byte
+// aligned bases (the host checks, as for gemv_bf16).
+#define GI_BN 128
+#define GI_BM 64
+#define GI_STAGES 4
+
+template <int F32>
+__global__ void __launch_bounds__(256, 2) gemm_inv(
+    const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, void* __restrict__ y,
+    int M, int N, int K, int nw)
+{
+    __shared__ uint4 sm[GI_STAGES][(GI_BN + GI_BM) * 4];  // per stage: W rows, then x rows; 4 uint4 per row
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tg = lane & 3;
+    const int m0 = blockIdx.x * GI_BM, n0 = blockIdx.y * GI_BN;
+    const int wn = (warp & 3) * 32, wm = (warp >> 2) * 32;
+    const int S = K >> 5, nsteps = S + ((K & 31) ? 1 : 0);
+
+    // this thread's three 16-byte copies per stage: W rows 0..127 (idx < 512), then x rows 0..63
+    const bf16_t* src[3];
+    bool row_ok[3];
+    int dst[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        const int idx = tid + 256 * i, c = idx & 3;
+        if (idx < 4 * GI_BN) {
+            const int n = n0 + (idx >> 2);
+            row_ok[i] = n < N;
+            src[i] = w + (long long)(row_ok[i] ? n : 0) * K + 8 * c;
+        } else {
+            const int m = m0 + ((idx - 4 * GI_BN) >> 2);
+            row_ok[i] = m < M;
+            src[i] = x + (long long)(row_ok[i] ? m : 0) * sx + 8 * c;
+        }
+        dst[i] = idx;
+    }
+    auto load = [&](int step) {
+        uint4* st = sm[step % GI_STAGES];
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            const int k = 32 * step + 8 * (dst[i] & 3);
+            const bool ok = row_ok[i] && k < K;
+            cp_async16(smem_addr(st + dst[i]), ok ? src[i] + 32 * step : src[i], ok ? 16 : 0);
+        }
+    };
+
+    float acc[2][4][4], tot[2][4][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[r][t][i] = tot[r][t][i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < GI_STAGES - 1; ++s) {
+        if (s < nsteps) load(s);
+        cp_async_commit();
+    }
+    int slice = 0, slice_end = nw == 1 ? nsteps : S / nw;
+    for (int s = 0; s < nsteps; ++s) {
+        cp_async_wait<GI_STAGES - 2>();
+        __syncthreads();  // step s landed for every thread; everyone is done with step s - 1's buffer
+        if (s + GI_STAGES - 1 < nsteps) load(s + GI_STAGES - 1);
+        cp_async_commit();
+        const uint4* st = sm[s % GI_STAGES];
+        uint4 a[2][2], b[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            a[r][0] = st[(wn + 16 * r + g) * 4 + tg];
+            a[r][1] = st[(wn + 16 * r + 8 + g) * 4 + tg];
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) b[t] = st[(GI_BN + wm + 8 * t + g) * 4 + tg];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int t = 0; t < 4; ++t) mma_step(acc[r][t], a[r][0], a[r][1], b[t]);
+        while (s + 1 == slice_end) {  // fold the finished slice into the total, in slice order
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int t = 0; t < 4; ++t)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        tot[r][t][i] = slice == 0 ? acc[r][t][i] : tot[r][t][i] + acc[r][t][i];
+                        acc[r][t][i] = 0.0f;
+                    }
+            if (++slice >= nw) break;
+            slice_end = slice == nw - 1 ? nsteps : (slice + 1) * S / nw;
+        }
+    }
+
+    // accumulator (r, t): [0] (W row 16r+g, x row 8t+2tg), [1] x row +1, [2] W row +8, [3] both
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int n = n0 + wn + 16 * r + g + 8 * (i >> 1), m = m0 + wm + 8 * t + 2 * tg + (i & 1);
+                if (n >= N || m >= M) continue;
+                const long long o = (long long)m * N + n;
+                if (F32) static_cast<float*>(y)[o] = tot[r][t][i];
+                else static_cast<bf16_t*>(y)[o] = f2bf(tot[r][t][i]);
+            }
+}
+template __global__ void gemm_inv<0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, int);
+template __global__ void gemm_inv<1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, int);
+
 // Every (MT, R, U, PF) x F32 that CudaBackend.linear() dispatches to (GEMV_VARIANTS in engine/backend_cuda.py).
 #define GEMV_INST(MT, R, U, PF)                                                                              \
     template __global__ void gemv_bf16<MT, R, U, PF, 0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int); \

@@ -60,6 +60,13 @@ GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 
 GEMV_KERNELS = [f"gemv_bf16<{mt}, {r}, {u}, {pf}, {f}>" for mt, r, u, pf in GEMV_VARIANTS for f in (0, 1)]
 
 
+def _gemv_nw(N: int, K: int) -> int:
+    """Warps per block of gemv_bf16, i.e. the K slices whose partial sums make up every output: a function
+    of (N, K) only (see _gemv_plan). gemm_inv takes the same number to reproduce gemv_bf16's results."""
+    groups = -(-N // 16)
+    return max(1, min(16, (K // 32) // 4, max(4, -(-2560 // groups))))
+
+
 @functools.lru_cache(maxsize=None)
 def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, int]:
     """(kernel, blocks, warps per block, shared bytes) for cuda/gemv.cu (tuned on an H200 at the 4B
@@ -70,8 +77,7 @@ def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, in
     Few row groups (NW >= 8) need every block resident at once (one wave): U = 2 at M <= 4 (50 regs,
     2 blocks of 16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the
     256-byte L2 prefetch up to M = 8 (74 regs); U = 2 at M = 16 (64 regs, vs 94 for U = 4)."""
-    groups = -(-N // 16)
-    nw = max(1, min(16, (K // 32) // 4, max(4, -(-2560 // groups))))
+    nw = _gemv_nw(N, K)
     if nw >= 8:
         v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
     else:
@@ -82,12 +88,16 @@ def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, in
 
 
 PREFILL_HD = (64, 128, 256)
+GI_BM, GI_BN = 64, 128  # gemm_inv's tile: x rows x W rows (GI_BM, GI_BN in cuda/gemv.cu)
+# Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
+# the longest context, so a row's partial sums would change with its neighbours)
+INVARIANT_SPLIT_KEYS = 256
 # the template instantiations each file's module is compiled with
 _TEMPLATES = {
     "gdn.cu": [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state") for d in GDN_DK],
     "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
     "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
-    "gemv.cu": GEMV_KERNELS,
+    "gemv.cu": GEMV_KERNELS + ["gemm_inv<0>", "gemm_inv<1>"],
 }
 _FNS: dict[tuple[str, str], list] = {}  # (file, kernel) -> [function, dynamic shared bytes opted in to]
 
@@ -130,6 +140,7 @@ class Meta:
     logits_rows: cupy.ndarray
     block_tables: cupy.ndarray  # [B, width]
     max_new: int = 1  # the most new tokens of one sequence (1: a decode step)
+    n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
     # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
     # number of leading single-token sequences)
     prefill_tiles: tuple | None = None
@@ -138,8 +149,11 @@ class Meta:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, poison: bool = False):
+    def __init__(self, poison: bool = False, batch_invariant: bool = False):
         self.poison = poison  # tests: fill every fresh output with NaN so unwritten elements show
+        # A row's results independent of the rest of its step (at a prefill speed cost): GEMMs of every M
+        # in gemv_bf16's summation order (gemm_inv), decode attention split at fixed key offsets.
+        self.batch_invariant = batch_invariant
         self._inv_freq: dict[tuple, cupy.ndarray] = {}
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
@@ -241,7 +255,9 @@ class CudaBackend:
             if max_ctx < ctx:
                 raise ValueError(f"prepare: max_ctx {max_ctx} < longest context {ctx}")
             ctx = int(max_ctx)
-        return Meta(step, T, B, ctx, *views, max_new=int(np.diff(step.cu_seqlens).max(initial=0)))
+        lens = np.diff(step.cu_seqlens)
+        n_dec = int(np.argmax(lens != 1)) if (lens != 1).any() else B
+        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=n_dec)
 
     def memory_used(self) -> int:
         return cupy.get_default_memory_pool().used_bytes()
@@ -317,18 +333,23 @@ class CudaBackend:
         logits of magnitude ~10 would lose up to 0.03 nat to bf16 rounding. Decode-sized M (1..GEMV_MAX_M)
         runs the weight-streaming tensor-core GEMV of cuda/gemv.cu (bit-identical rows whatever M; an x
         view its 16-byte loads cannot read in place is copied first); larger M, K % 8 != 0 or an unaligned
-        weight go to cublasLt."""
+        weight go to cublasLt, or with batch_invariant to gemm_inv (gemv_bf16's results for any M)."""
         f32_out = w.shape[0] >= LOGITS_ROWS
         M, K = x.shape
         N = w.shape[0]
-        if (1 <= M <= GEMV_MAX_M and x.dtype == cupy.uint16 and w.dtype == cupy.uint16 and w.shape[1] == K
-                and K % 8 == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0):
+        small = 1 <= M <= GEMV_MAX_M
+        if ((small or (self.batch_invariant and M)) and x.dtype == cupy.uint16 and w.dtype == cupy.uint16
+                and w.shape[1] == K and K % 8 == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0):
             if x.strides[1] != 2 or x.data.ptr % 16 or (M > 1 and x.strides[0] % 16):
                 x = x.copy()  # 16-byte x loads (a fresh, aligned copy; the engine's inputs never need one)
-            name, blocks, nw, smem = _gemv_plan(M, N, K, f32_out)
             out = self._empty((M, N), cupy.float32 if f32_out else cupy.uint16)
             sx = i64(x.strides[0] // 2) if M > 1 else i64(K)
-            _fn("gemv.cu", name)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
+            if small:
+                name, blocks, nw, smem = _gemv_plan(M, N, K, f32_out)
+                _fn("gemv.cu", name)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
+            else:
+                _fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
+                                                            (x, sx, w, out, i32(M), i32(N), i32(K), i32(_gemv_nw(N, K))))
             return out
         return gemm(x, w, f32_out=f32_out)
 
@@ -361,8 +382,9 @@ class CudaBackend:
         return out
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
-        """Gated delta rule for every sequence: the token recurrence when every sequence brings one
-        token (decode), else the chunked WY form (prefill, chunked prefill, mixed steps)."""
+        """Gated delta rule for every sequence: the token recurrence for the leading single-token
+        sequences (decodes), the chunked WY form for the rest (prefill, chunked prefill). A decode row
+        thus takes the same kernel in a decode step and in a mixed one."""
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
@@ -371,12 +393,15 @@ class CudaBackend:
         out = self._empty((T, nv * dv))
         if not T:
             return out
-        if meta.max_new <= 1:
+        nd = meta.n_dec
+        if nd:
             _fn("gdn.cu", f"gdn_recurrent<{dk}>")(
-                (dv // 32, nv, meta.B), (128,),
+                (dv // 32, nv, nd), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots, out,
                  i32(nk), i32(nv), i32(dv)))
+        if nd == meta.B:
             return out
+        cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
         C = GDN_CHUNK
         W, Qs, Ks = (self._empty((T, nv, dk), cupy.float32) for _ in range(3))
         U = self._empty((T, nv, dv), cupy.float32)
@@ -384,12 +409,12 @@ class CudaBackend:
         aux = self._empty((T, nv, 4), cupy.float32)
         n_chunks = -(-meta.max_new // C)
         smem = 4 * (max(2 * C * (dk + 1), C * (dk + dv)) + C * 65 + 2 * C)
-        _fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B), (256,),
-             (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, meta.cu_seqlens, W, U, P, Qs, Ks, aux,
+        _fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
+             (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
         smem = 4 * (dk * 32 + 3 * C * dk + C * C + 2 * C * 32)
-        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B), (512 if dk >= 64 else 256,),  # gdn_state_warps() in gdn.cu
-            (W, U, P, Qs, Ks, aux, state, meta.cu_seqlens, meta.slots, out, i32(nv), i32(dv)), shared_mem=smem)
+        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (512 if dk >= 64 else 256,),  # gdn_state_warps() in gdn.cu
+            (W, U, P, Qs, Ks, aux, state, cu, slots, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
     def gated_rms_norm(self, o, z, w, eps):
@@ -462,12 +487,14 @@ class CudaBackend:
                     shared_mem=smem)
         if not n_dec:
             return out
-        base = n_dec * nkv
-        target = 2 * self.num_sms
-        nsplit = 1
-        if base < target:
-            nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // 64)))
-        chunk = -(-meta.max_ctx // nsplit)
+        if self.batch_invariant:  # splits at fixed key offsets (an empty split changes nothing in attn_combine)
+            chunk = INVARIANT_SPLIT_KEYS
+            nsplit = -(-meta.max_ctx // chunk)
+        else:
+            base, target, nsplit = n_dec * nkv, 2 * self.num_sms, 1
+            if base < target:
+                nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // 64)))
+            chunk = -(-meta.max_ctx // nsplit)
         if nsplit > 1:
             part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)

@@ -4,7 +4,8 @@ Weights are drawn on the GPU as bf16 bits (the 4B lm_head is 1.27 GB); the refer
 f32 product of the same bf16 values, over a random subset of output features (plus the last ones, where
 the kernel clamps a partial 16-row group). Every output is poisoned first (CudaBackend(poison=True)) and
 must be finite everywhere. Also: strided and misaligned x views, the f32 logits output, M above the
-threshold (cublasLt, the only case allowed to reach it), M-invariance bit for bit, CUDA-graph capture.
+threshold (cublasLt, the only case allowed to reach it), M-invariance bit for bit, CUDA-graph capture;
+and the batch-invariant GEMM (gemm_inv, any M): right, and bit-identical to the GEMV row by row.
 """
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ H, F, V = 2560, 9216, 248320
 SHAPES = {  # name: (N, K) at the 4B config (fused projections as engine/model.py builds them)
     "in_proj": (12352, H), "gate_up": (2 * F, H), "down": (H, F), "qkv": (10240, H), "o_proj": (H, 4096),
     "lm_head": (V, H), "tiny": (96, 64), "ragged": (100, 200),  # ragged: N % 16 = 4, K % 32 = 8
+    "ragged_k": (300, 1000),  # K % 32 = 8 over 7 K slices (gemv warps, gemm_inv folds)
 }
 MS = (1, 2, 3, 5, 8, 13, 16, GEMV_MAX_M + 1)
 _W: dict = {}
@@ -150,3 +152,37 @@ def test_gemv_graph_capture(be, no_cublas):
         g.launch(s)
         s.synchronize()
     assert np.array_equal(cupy.asnumpy(y), want)
+
+
+@pytest.fixture(scope="module")
+def be_inv():
+    return CudaBackend(poison=True, batch_invariant=True)
+
+
+@pytest.mark.parametrize("M", [GEMV_MAX_M + 1, 64, 100, 257])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gemm_inv_matches_reference(be_inv, no_cublas, name, M):
+    """batch_invariant: M > GEMV_MAX_M runs gemm_inv (never cublasLt); right against NumPy, every output
+    written (poisoned first), partial tiles in M, N and K included."""
+    x, x_np = rnd_x(77 * M + SHAPES[name][0], M, SHAPES[name][1])
+    check(be_inv, x, x_np, name)
+    assert not no_cublas[0]
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gemm_inv_rows_equal_gemv_rows(be_inv, no_cublas, name):
+    """The batch-invariant contract: a row's bits are the same in any batch, gemv_bf16 (M <= 16) and gemm_inv
+    (any larger M) alike; x as a column view of a wider buffer (as fused projection outputs are) too."""
+    K = SHAPES[name][1]
+    w = weight(name)[0]
+    cupy.random.seed(K + 5)
+    buf = dev_bits(300, K + 24)
+    x = buf[:, 16:16 + K]
+    bits = (lambda a: cupy.asnumpy(a.view(cupy.uint32))) if w.shape[0] >= LOGITS_ROWS else cupy.asnumpy
+    big = bits(be_inv.linear(x, w))
+    for lo, hi in ((0, 1), (5, 21), (37, 38), (290, 300)):
+        part = bits(be_inv.linear(x[lo:hi], w))
+        assert np.array_equal(part, big[lo:hi]), (lo, hi)
+    for M in (17, 64, 65, 129):
+        assert np.array_equal(bits(be_inv.linear(x[200:200 + M], w)), big[200:200 + M]), M
+    assert not no_cublas[0]
