@@ -15,12 +15,14 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-waiting-requests", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs for decode steps")
+    ap.add_argument("--batch-invariant", action="store_true", default=None,
+                    help="a request's output independent of its batch neighbours (CUDA: slower prefill)")
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="append one JSON line per engine step")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
-            "gpu_memory_utilization", "enforce_eager", "trace_steps")
+            "gpu_memory_utilization", "enforce_eager", "batch_invariant", "trace_steps")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 

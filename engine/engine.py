@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .backend_numpy import CHUNK as GDN_CHUNK
 from .config import ModelConfig
 from .kv_blocks import DUMMY_BLOCK, KVBlockManager
 from .model import Qwen35Model
@@ -52,6 +53,7 @@ class EngineArgs:
     max_logprobs: int = 20
     seed: int = 0                             # for requests without a seed
     enforce_eager: bool = False               # CUDA: no decode-step graphs
+    batch_invariant: bool = False             # CUDA: a request's tokens independent of its batch (slower prefill)
     trace_steps: str | None = None            # JSONL path: one line per step (kind, sizes, timings)
 
 
@@ -73,11 +75,11 @@ class EngineStats:
     device_memory_used: int = 0               # bytes the backend holds in live arrays (0 on the CPU)
 
 
-def make_backend(device: str):
+def make_backend(device: str, batch_invariant: bool = False):
     if device in ("cuda", "auto"):
         try:  # hook: the CUDA backend has the same op interface
             from .backend_cuda import CudaBackend
-            return CudaBackend()
+            return CudaBackend(batch_invariant=batch_invariant)
         except Exception:
             if device == "cuda":
                 raise
@@ -144,7 +146,7 @@ class Engine:
         a = self.args = EngineArgs(**engine_args)
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        backend = make_backend(a.device)
+        backend = make_backend(a.device, a.batch_invariant)
         max_len = a.max_model_len or min(cfg.max_position_embeddings, 8192)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
@@ -165,7 +167,9 @@ class Engine:
         self.slots = StateSlotPool(num_slots)
         self.scheduler = Scheduler(self.kv, self.slots, max_model_len=max_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens,
-                                   max_waiting_requests=a.max_waiting_requests)
+                                   max_waiting_requests=a.max_waiting_requests,
+                                   # the GDN chunk: prompt chunks then keep the chunked form's boundaries
+                                   chunk_align=GDN_CHUNK if a.batch_invariant else 1)
         cache = model.alloc_cache(num_slots, self.kv.num_blocks, a.block_size)
         gib = 1 / (1 << 30)
         log.info("memory plan (%s): weights %.2f GiB; step activations for %d tokens; %d state slots x %.1f MiB "

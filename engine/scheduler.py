@@ -29,8 +29,15 @@ class OverloadedError(RuntimeError):
 
 class Scheduler:
     def __init__(self, kv: KVBlockManager, slots: StateSlotPool, *, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_waiting_requests: int):
-        self.kv, self.slots = kv, slots
+                 max_num_batched_tokens: int, max_waiting_requests: int, chunk_align: int = 1):
+        """chunk_align: a prompt cut into chunks is cut at multiples of this many tokens, never leaving a
+        last chunk of one token (a batch-invariant engine passes the GDN chunk, 64: a prompt then takes
+        the same kernels and chunk boundaries however the budget splits it)."""
+        if chunk_align > 1 and max_num_batched_tokens < max_num_seqs + 2 * chunk_align:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({max_num_seqs}) + {2 * chunk_align} when prompts are cut at multiples of "
+                             f"{chunk_align} tokens (batch_invariant), so a chunk always fits beside the decodes")
+        self.kv, self.slots, self.chunk_align = kv, slots, chunk_align
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.max_num_batched_tokens, self.max_waiting_requests = max_num_batched_tokens, max_waiting_requests
         self.waiting: deque[Request] = deque()
@@ -68,13 +75,26 @@ class Scheduler:
         for req in self.running:
             n = req.num_tokens - req.num_computed
             if n > 1 and budget > 0:
-                prefills.append((req, min(n, budget)))
-                budget -= prefills[-1][1]
-        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+                take = self._chunk(n, budget)
+                if not take:
+                    return decodes + prefills  # FCFS: nothing overtakes a prefill that must wait
+                prefills.append((req, take))
+                budget -= take
+        while self.waiting and self._chunk(self.waiting[0].num_tokens, budget) and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
-            prefills.append((req, min(req.num_tokens, budget)))
+            prefills.append((req, self._chunk(req.num_tokens, budget)))
             budget -= prefills[-1][1]
         return decodes + prefills
+
+    def _chunk(self, n: int, budget: int) -> int:
+        """Tokens of an n-token prefill that fit in budget (0: none this step)."""
+        if n <= budget:
+            return n
+        a = self.chunk_align
+        take = budget // a * a
+        if a > 1 and n - take == 1:  # a one-token last chunk would take the decode kernels
+            take -= a
+        return max(take, 0)
 
     def _admit(self, req: Request) -> bool:
         need = self.kv.blocks_for(req.lifetime_tokens)

@@ -77,22 +77,33 @@ def _record_greedy_logits(store):
     return hook
 
 
-@pytest.fixture(scope="module")
-def alone_vs_batch(target, target_llm):
+@pytest.fixture(scope="module", params=[pytest.param(False, id="default"), pytest.param(True, id="invariant")])
+def alone_vs_batch(request, target, target_llm):
     """16 mixed requests (even: greedy; odd: seeded top-k sampling), each generated alone and then
-    all inside one engine with arrivals spread over steps. Returns (specs, alone, batched, raw logits
-    of the greedy rows alone and batched)."""
+    all inside one engine with arrivals spread over steps, by default engines or batch_invariant ones
+    (the prompts then chunked at multiples of 64 by a smaller budget). Returns (invariant, specs, alone,
+    batched, raw logits of the greedy rows alone and batched)."""
+    invariant = request.param
+    llm = target_llm
+    if invariant:
+        model_dir, device = target
+        llm = LLM(model_dir, device=device, max_num_seqs=16, max_num_batched_tokens=256, batch_invariant=True,
+                  **({"kv_cache_memory": 4 << 30} if device == "cuda" else {}))
     specs = [(prompt(i, 3 + 7 * i), SamplingParams(max_tokens=4 + i % 5, temperature=0.0 if i % 2 == 0 else 0.9,
                                                    top_k=[5, 20][i % 4 // 2], seed=i, min_p=0.01 * (i % 3),
                                                    repetition_penalty=1 + 0.1 * (i % 3)))
              for i in range(16)]
     la, lb = {}, {}
-    target_llm.engine.runner.logits_hook = _record_greedy_logits(la)
+    llm.engine.runner.logits_hook = _record_greedy_logits(la)
     try:
-        alone = [target_llm.generate([p], sp)[0].token_ids for p, sp in specs]
+        alone = [llm.generate([p], sp)[0].token_ids for p, sp in specs]
     finally:
-        target_llm.engine.runner.logits_hook = None
-    eng, col = make(target, max_num_seqs=16, max_num_batched_tokens=48)
+        llm.engine.runner.logits_hook = None
+        if invariant:
+            llm.shutdown()
+    # invariant: the least budget allowed (16 + 2 * 64), so the longer prompts are cut at 64 or 128
+    eng, col = make(target, max_num_seqs=16, max_num_batched_tokens=144 if invariant else 48,
+                    batch_invariant=invariant)
     eng.runner.logits_hook = _record_greedy_logits(lb)
     rids = []
     for i, (p, sp) in enumerate(specs):
@@ -102,17 +113,22 @@ def alone_vs_batch(target, target_llm):
     drive(eng, col, rids)
     st = eng.stats()
     assert st.kv_blocks_used == 0 and st.state_slots_free == 16 and st.running == 0 and st.waiting == 0
-    return specs, alone, [col.tokens(r) for r in rids], la, lb
+    eng.shutdown()
+    return invariant, specs, alone, [col.tokens(r) for r in rids], la, lb
 
 
 def test_greedy_alone_equals_inside_mixed_batch(target, alone_vs_batch):
-    """Bit-identical on the NumPy backend. On the GPU, bf16 logits depend in their last bits on the
-    batch shape (cublasLt picks its algorithm by M, prefill chunks split the GDN and attention work
-    differently), so on the random 4b checkpoint, whose top logits are often within 0.05 of each
-    other, a greedy token may flip: there, the outputs must agree exactly up to the flip and the
-    logits at the flip must differ by no more than bf16 noise (mean |dlogit| at most HF's own bf16
-    vs f32 distance on this checkpoint, 0.12: tests/test_gpu_hf_gate.py)."""
-    specs, alone, batched, la, lb = alone_vs_batch
+    """Tokens bit-identical on the NumPy backend, and with batch_invariant on the GPU too, where every
+    greedy row's logits are also bit-identical (NumPy's BLAS rounds by M). By default on the GPU, bf16 logits depend in their last bits on the batch shape
+    (cublasLt picks its algorithm by M, the decode attention split follows the batch, prefill chunks split
+    the GDN and attention work differently), so on the random 4b checkpoint, whose top logits are often
+    within 0.05 of each other, a greedy token may flip: there, the outputs must agree exactly up to the
+    flip and the logits at the flip must differ by no more than bf16 noise (mean |dlogit| at most HF's own
+    bf16 vs f32 distance on this checkpoint, 0.12: tests/test_gpu_hf_gate.py)."""
+    invariant, specs, alone, batched, la, lb = alone_vs_batch
+    if invariant and target[1] == "cuda":
+        assert la.keys() == lb.keys()
+        assert [k for k in la if not np.array_equal(la[k], lb[k])] == []
     bad, noise = [], []
     for i, (p, sp) in enumerate(specs):
         if sp.temperature != 0:
@@ -120,7 +136,7 @@ def test_greedy_alone_equals_inside_mixed_batch(target, alone_vs_batch):
         k = next((j for j, (x, y) in enumerate(zip(alone[i], batched[i])) if x != y), None)
         if k is None and alone[i] == batched[i]:
             continue
-        if target[1] != "cuda" or k is None:
+        if target[1] != "cuda" or invariant or k is None:
             bad.append(i)
             continue
         a, b = la[(tuple(p), k)], lb[(tuple(p), k)]
@@ -134,9 +150,9 @@ def test_greedy_alone_equals_inside_mixed_batch(target, alone_vs_batch):
 
 
 def test_seeded_sampling_ignores_batch_neighbours(target, alone_vs_batch):
-    specs, alone, batched, _, _ = alone_vs_batch
+    invariant, specs, alone, batched, _, _ = alone_vs_batch
     bad = [i for i, (_, sp) in enumerate(specs) if sp.temperature != 0 and alone[i] != batched[i]]
-    if bad and target[1] == "cuda":
+    if bad and target[1] == "cuda" and not invariant:
         # The sampler draws the same uniforms whatever the batch; the logits are what differ: cublasLt
         # picks its algorithm by M and attention splits by batch size, so bf16 logits move by ~1e-2
         # between batch shapes and a draw near a CDF boundary flips. Not bitwise batch-invariant (nor is
@@ -154,6 +170,29 @@ def test_chunked_prefill_matches_unchunked(target, target_llm, budget):
     r1 = eng.submit(prompt(1, 9), SamplingParams(max_tokens=20, **GREEDY), col)  # decodes alongside
     drive(eng, col, [r0, r1])
     assert col.tokens(r0) == want
+
+
+@pytest.mark.parametrize("budget", [132, 200])
+def test_invariant_chunked_prefill_matches_unchunked(target, budget):
+    """batch_invariant: a 300-token prompt cut at multiples of 64 beside a decoding request gives the
+    tokens (and, on the GPU, the logits bit for bit) of the prompt computed in one piece, alone."""
+    p, sp = prompt(98, 300), SamplingParams(max_tokens=6, **GREEDY)
+    la, lb = {}, {}
+    eng, col = make(target, max_num_seqs=4, max_num_batched_tokens=512, batch_invariant=True)
+    eng.runner.logits_hook = _record_greedy_logits(la)
+    want = eng.submit(p, sp, col)
+    drive(eng, col, [want])
+    eng.shutdown()
+    eng, col2 = make(target, max_num_seqs=4, max_num_batched_tokens=budget, batch_invariant=True)
+    eng.runner.logits_hook = _record_greedy_logits(lb)
+    r1 = eng.submit(prompt(1, 9), SamplingParams(max_tokens=20, **GREEDY), col2)  # decodes alongside
+    eng.step()
+    r0 = eng.submit(p, sp, col2)
+    drive(eng, col2, [r0, r1])
+    eng.shutdown()
+    assert col2.tokens(r0) == col.tokens(want)
+    if target[1] == "cuda":
+        assert all(np.array_equal(la[k], lb[k]) for k in la)
 
 
 def test_llm_generate_forms(llm):

@@ -13,9 +13,9 @@ def req(rid, prompt_len, max_tokens=4):
                    frozenset(), sink=lambda out: None)
 
 
-def sched(blocks=64, slots=5, bs=4, max_len=64, seqs=4, budget=16, waiting=8):
+def sched(blocks=64, slots=5, bs=4, max_len=64, seqs=4, budget=16, waiting=8, align=1):
     return Scheduler(KVBlockManager(blocks, bs), StateSlotPool(slots), max_model_len=max_len, max_num_seqs=seqs,
-                     max_num_batched_tokens=budget, max_waiting_requests=waiting)
+                     max_num_batched_tokens=budget, max_waiting_requests=waiting, chunk_align=align)
 
 
 def run_step(s, batch, sampled_token=7):
@@ -65,6 +65,31 @@ def test_decodes_first_then_chunked_prefill_within_budget():
     run_step(s, batch)
     assert b.num_computed == 20 and len(b.output_ids) == 1
     assert s.schedule() == [(a, 1), (b, 1)]
+
+
+def test_aligned_chunks_for_batch_invariance():
+    """chunk_align (batch_invariant engines): a prompt that does not fit is cut at a multiple of the
+    alignment, never leaving a one-token last chunk; one that fits goes whole; FCFS holds when the
+    head's chunk cannot be cut this step."""
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        sched(budget=19, align=8)
+    s = sched(blocks=200, max_len=200, budget=20, align=8)
+    a, b, c = req("a", 41), req("b", 17), req("c", 3)
+    for r in (a, b, c):
+        s.add(r)
+    batch = s.schedule()  # 41 > 20: 16 (not 20); b: 17 > 4 left, a multiple of 8 does not fit: b waits
+    assert [(r.request_id, n) for r, n in batch] == [("a", 16)]
+    run_step(s, batch)
+    batch = s.schedule()  # a: 25 left > 20 -> 16; then b (17 > 4) waits again
+    assert [(r.request_id, n) for r, n in batch] == [("a", 16)]
+    run_step(s, batch)
+    batch = s.schedule()  # a: 9 left fits whole; b: 17 > 11 -> 8 (17 - 8 = 9 left, not 1); c: 3 <= 3 fits
+    assert [(r.request_id, n) for r, n in batch] == [("a", 9), ("b", 8), ("c", 3)]
+    run_step(s, batch)
+    batch = s.schedule()  # a and c decode; b: 9 left <= 18 fits
+    assert [(r.request_id, n) for r, n in batch] == [("a", 1), ("c", 1), ("b", 9)]
+    assert s._chunk(17, 16) == 8 and s._chunk(9, 8) == 0 and s._chunk(10, 8) == 8  # never a 1-token tail
+    assert sched(budget=20)._chunk(17, 16) == 16  # unaligned: the whole budget
 
 
 def test_pending_token_is_scheduled_unless_it_is_the_last():
