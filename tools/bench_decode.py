@@ -49,12 +49,12 @@ class RandomWeightBackend(CudaBackend):
         return super().weight(arr)
 
 
-def random_model(preset: str) -> Qwen35Model:
+def random_model(preset: str, batch_invariant: bool = False) -> Qwen35Model:
     cfg = ModelConfig.from_dict(config_json(preset))
     f32 = lambda k: k.endswith(("A_log", "linear_attn.norm.weight"))  # noqa: E731
     w = {k: np.broadcast_to(np.zeros((), np.float32 if f32(k) else np.uint16), s)
          for k, s in expected_shapes(cfg).items()}
-    return Qwen35Model(cfg, w, RandomWeightBackend())
+    return Qwen35Model(cfg, w, RandomWeightBackend(batch_invariant=batch_invariant))
 
 
 def timed(fn, steps: int, warm: int = 3) -> float:
@@ -78,6 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-chunk", type=int, default=16, help="sequences per eager prefill step")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="CudaBackend(batch_invariant=True)")
     ap.add_argument("--json", help="output path (default $OUT/bench_decode.json, else ./bench_decode.json)")
     a = ap.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
@@ -86,10 +87,10 @@ def main(argv=None) -> None:
     if a.make_model or a.model_dir:
         d = Path(a.model_dir) if a.model_dir else make_model(a.make_model, a.preset)
         cfg = ModelConfig.from_dir(d)
-        model = Qwen35Model(cfg, load_weights(d, cfg), CudaBackend())
+        model = Qwen35Model(cfg, load_weights(d, cfg), CudaBackend(batch_invariant=a.batch_invariant))
         source = str(d)
     else:
-        model = random_model(a.preset)
+        model = random_model(a.preset, a.batch_invariant)
         source = f"random bf16 on GPU, {a.preset} config"
     cupy.cuda.Device().synchronize()
     t_load = time.perf_counter() - t
@@ -135,6 +136,7 @@ def main(argv=None) -> None:
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"]
     dev = dev.decode() if isinstance(dev, bytes) else dev
     Path(out).write_text(json.dumps(dict(preset=a.preset, weights=source, device=dev, ctx=a.ctx, steps=a.steps,
+                                         batch_invariant=a.batch_invariant,
                                          load_s=t_load, prefill_s=t_prefill, rows=rows), indent=1))
     print(f"wrote {out}")
 

@@ -57,11 +57,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="keep the step trace (tools/trace_report.py)")
+    ap.add_argument("--batch-invariant", action="store_true", help="Engine(batch_invariant=True)")
     a = ap.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
     trace = Path(a.trace_steps or Path(tempfile.mkdtemp()) / "steps.jsonl")
     trace.unlink(missing_ok=True)
     eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
+                 batch_invariant=a.batch_invariant,
                  max_model_len=a.max_model_len or a.input_len + a.output_len + 16,
                  max_num_batched_tokens=max(a.max_num_batched_tokens, max(levels)))
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)

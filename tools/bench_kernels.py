@@ -61,10 +61,10 @@ def bits(*shape, scale=1.0):
     return (x >> 16).astype(cupy.uint16)
 
 
-def prefill_times(lengths, reps=3):
+def prefill_times(lengths, reps=3, batch_invariant=False):
     """Eager forward of one fresh sequence of each length through the random-weight 4B model."""
     import bench_decode
-    model = bench_decode.random_model("4b")
+    model = bench_decode.random_model("4b", batch_invariant)
     bs = bench_decode.BS
     need = -(-max(lengths) // bs)
     cache = model.alloc_cache(2, 1 + need, bs)
@@ -88,8 +88,10 @@ def main(argv=None):
     ap.add_argument("--json", help="output path (default $OUT/bench_kernels.json, else ./bench_kernels.json)")
     ap.add_argument("--no-steps", action="store_true", help="per-op table only")
     ap.add_argument("--prefill", default="1024,8192")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="CudaBackend(batch_invariant=True): gemm_inv for M > 16, fixed attention splits")
     args = ap.parse_args(argv)
-    be = CudaBackend()
+    be = CudaBackend(batch_invariant=args.batch_invariant)
     rows = []
     H, F, V = 2560, 9216, 248320
     for M in (1, 32, 2048):
@@ -170,15 +172,15 @@ def main(argv=None):
     print(f"{'op':<16} {'shape':<26} {'ms':>9}  rate")
     for name, shape, ms, rate in rows:
         print(f"{name:<16} {shape:<26} {ms:9.4f}  {rate}", flush=True)
-    res = dict(ceilings=dict(copy_gbs=COPY_GBS, bf16_tflops=BF16_TFLOPS),
+    res = dict(ceilings=dict(copy_gbs=COPY_GBS, bf16_tflops=BF16_TFLOPS), batch_invariant=args.batch_invariant,
                ops=[dict(op=n, shape=sh, ms=ms, rate=r) for n, sh, ms, r in rows])
     out = args.json or (os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT")
                      else "bench_kernels.json")
     if not args.no_steps:
-        res["prefill"] = prefill_times([int(x) for x in args.prefill.split(",")])
+        res["prefill"] = prefill_times([int(x) for x in args.prefill.split(",")], batch_invariant=args.batch_invariant)
         import bench_decode
         dec = str(Path(out).with_name("bench_decode.json"))
-        bench_decode.main(["--json", dec])
+        bench_decode.main(["--json", dec] + (["--batch-invariant"] if args.batch_invariant else []))
         res["decode"] = json.loads(Path(dec).read_text())
     Path(out).write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
