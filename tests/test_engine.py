@@ -195,6 +195,20 @@ def test_invariant_chunked_prefill_matches_unchunked(target, budget):
         assert all(np.array_equal(la[k], lb[k]) for k in la)
 
 
+def test_batch_invariant_flag_and_budget_check(tiny_dir):
+    """--batch-invariant reaches the engine; a budget too small for 64-token chunks beside every decode
+    is refused with the numbers."""
+    import argparse
+
+    from engine.cli import _add_engine_args, engine_kwargs
+    ap = argparse.ArgumentParser()
+    _add_engine_args(ap)
+    assert engine_kwargs(ap.parse_args(["--batch-invariant"]))["batch_invariant"] is True
+    assert "batch_invariant" not in engine_kwargs(ap.parse_args([]))
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\) must be at least max_num_seqs \(16\) \+ 128"):
+        Engine(tiny_dir, start=False, device="cpu", batch_invariant=True, max_num_seqs=16, max_num_batched_tokens=100)
+
+
 def test_llm_generate_forms(llm):
     outs = llm.generate(["hello", [1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))
     assert [len(o.token_ids) for o in outs] == [3, 3] and all(o.finish_reason == "length" for o in outs)
