@@ -1,36 +1,71 @@
 // Causal depthwise conv1d (kernel K) + SiLU over varlen sequences, continuing from and updating each
 // slot's conv state: the last K-1 pre-conv inputs (spec §4.2). Decode is the T=1 case of the same code.
 // Two launches: conv1d_fwd reads the old state, then conv1d_state_update writes the new one.
+// Kernel sizes 2..4 (Qwen3.5 uses 4) are instantiated.
 #include "common.cuh"
 
 #define MAXK 8
 
-// x: [T, C] with row stride sx (a column view); w: bf16 [C, K]; state: bf16 [slots, K-1, C];
-// out: [T, C] contiguous. tok_seq[t]: sequence of token t; cu: [B+1]; slots: [B].
-extern "C" __global__ void conv1d_fwd(const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w,
-                                      const bf16_t* __restrict__ state, bf16_t* __restrict__ out,
-                                      const int* __restrict__ tok_seq, const int* __restrict__ cu,
-                                      const int* __restrict__ slots, int C, int K)
+// x: [T, C] with row stride sx (a column view; sx % 8 == 0 and a 16-byte aligned base: the host copies
+// other views); w: bf16 [C, K]; state: bf16 [slots, K-1, C]; out: [T, C] contiguous. tok_seq[t]: sequence
+// of token t; cu: [B+1]; slots: [B]. C % 8 == 0.
+// A thread owns 8 channels (16-byte loads and stores) of up to TT consecutive tokens (grid.y = the token
+// tiles): it slides the K-1 previous inputs along in registers, so each x row is read once, and reloads
+// them (from the slot's state or x) at the tile's first token and where a new sequence starts. Prefill
+// runs TT = 16, decode TT = 1 (one token per sequence). Each output sums w_j * x_j for j = 0 .. K-1 in order.
+template <int K>
+__global__ void __launch_bounds__(128) conv1d_fwd(
+    const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, const bf16_t* __restrict__ state,
+    bf16_t* __restrict__ out, const int* __restrict__ tok_seq, const int* __restrict__ cu,
+    const int* __restrict__ slots, int T, int C, int TT)
 {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (c >= C) return;
-    const int t = blockIdx.y;
-    const int b = tok_seq[t];
-    const int start = cu[b];
-    const int i = t - start;  // index within the sequence's new tokens
-    const long long slot = slots[b];
-    float acc = 0.0f;
+    const int t0 = blockIdx.y * TT, t1 = min(T, t0 + TT);
+    float wv[K][8];  // [tap][channel]
+    {
+        bf16_t wr[8 * K];  // w[c .. c+7][0 .. K-1], contiguous
 #pragma unroll
-    for (int j = 0; j < MAXK; ++j) {
-        if (j < K) {
-            const int m = i + j;  // index into concat(state[K-1], x_seq)
-            const float xv = m < K - 1 ? bf2f(state[(slot * (K - 1) + m) * C + c])
-                                       : bf2f(x[(long long)(start + m - (K - 1)) * sx + c]);
-            acc += bf2f(w[(long long)c * K + j]) * xv;
-        }
+        for (int q = 0; q < K; ++q) *reinterpret_cast<uint4*>(wr + 8 * q) = *reinterpret_cast<const uint4*>(w + (long long)c * K + 8 * q);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+            for (int j = 0; j < K; ++j) wv[j][e] = bf2f(wr[e * K + j]);
     }
-    out[(long long)t * C + c] = f2bf(silu_f(acc));
+    float win[K][8];  // win[0 .. K-2]: the inputs before token t (oldest first); win[K-1]: token t
+    for (int t = t0; t < t1; ++t) {
+        const int b = tok_seq[t], start = cu[b], i = t - start;
+        if (t == t0 || i == 0) {  // (re)load the K-1 previous inputs: concat(state, x_seq)[i .. i+K-2]
+            const long long slot = slots[b];
+#pragma unroll
+            for (int j = 0; j < K - 1; ++j) {
+                const int m = i + j;
+                const bf16_t* p = m < K - 1 ? state + (slot * (K - 1) + m) * C + c : x + (long long)(start + m - (K - 1)) * sx + c;
+                unpack8(*reinterpret_cast<const uint4*>(p), win[j]);
+            }
+        }
+        unpack8(*reinterpret_cast<const uint4*>(x + (long long)t * sx + c), win[K - 1]);
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < K; ++j) acc += wv[j][e] * win[j][e];
+            o[e] = silu_f(acc);
+        }
+        *reinterpret_cast<uint4*>(out + (long long)t * C + c) = pack8(o);
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
+    }
 }
+template __global__ void conv1d_fwd<2>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
+                                       const int*, const int*, int, int, int);
+template __global__ void conv1d_fwd<3>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
+                                       const int*, const int*, int, int, int);
+template __global__ void conv1d_fwd<4>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
+                                       const int*, const int*, int, int, int);
 
 // New state = the last K-1 rows of concat(old state, x_seq). Each thread owns one (sequence, channel)
 // and reads everything before writing, so the update is in place without races.

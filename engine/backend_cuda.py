@@ -88,6 +88,7 @@ def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, in
 
 
 PREFILL_HD = (64, 128, 256)
+CONV_K = (2, 3, 4)  # conv1d_fwd kernel sizes instantiated
 GI_BM, GI_BN = 64, 128  # gemm_inv's tile: x rows x W rows (GI_BM, GI_BN in cuda/gemv.cu)
 # Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
 # the longest context, so a row's partial sums would change with its neighbours)
@@ -98,6 +99,7 @@ _TEMPLATES = {
     "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
     "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
     "gemv.cu": GEMV_KERNELS + ["gemm_inv<0>", "gemm_inv<1>"],
+    "conv1d.cu": [f"conv1d_fwd<{k}>" for k in CONV_K],
 }
 _FNS: dict[tuple[str, str], list] = {}  # (file, kernel) -> [function, dynamic shared bytes opted in to]
 
@@ -370,15 +372,20 @@ class CudaBackend:
         """x [T, C] (column view), w bf16 [C, K], state bf16 [slots, K-1, C] updated in place."""
         T, C = x.shape
         K = w.shape[1]
-        assert K <= 8 and w.dtype == cupy.uint16 and state.dtype == cupy.uint16
+        if K not in CONV_K:
+            raise ValueError(f"conv1d: kernel size {K} not supported (instantiated: {CONV_K})")
+        assert C % 8 == 0 and w.dtype == cupy.uint16 and state.dtype == cupy.uint16 and w.flags.c_contiguous
         out = self._empty((T, C))
         if T:
+            if x.strides[1] != 2 or x.strides[0] % 16 or x.data.ptr % 16:
+                x = cupy.ascontiguousarray(x)  # 16-byte loads: a fused width that is not a multiple of 8 (tiny3)
             sx = _rs(x)
-            gx = (C + 255) // 256
-            _fn("conv1d.cu", "conv1d_fwd")((gx, T), (256,), (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens,
-                                                               meta.slots, i32(C), i32(K)))
-            _fn("conv1d.cu", "conv1d_state_update")((gx, meta.B), (256,), (x, sx, state, meta.cu_seqlens, meta.slots,
-                                                                            i32(C), i32(K)))
+            tt = 1 if meta.max_new <= 1 else 16  # tokens per thread: decode 1, prefill 16 (one x read each)
+            _fn("conv1d.cu", f"conv1d_fwd<{K}>")((-(-C // 1024), -(-T // tt)), (128,),
+                                                 (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
+                                                  i32(T), i32(C), i32(tt)))
+            _fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
+                                                    (x, sx, state, meta.cu_seqlens, meta.slots, i32(C), i32(K)))
         return out
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
