@@ -37,7 +37,8 @@
 // above the threshold rounds differently.) No atomics, no allocation, no sync: graph-capturable.
 //
 // M buckets: MT = 1 for M <= 8, MT = 2 for M <= 16 (not one instantiation per M): the mma's n is 8
-// wide, so M = 1..8 issue the same instructions and only the x loads scale with M. Rows m >= M and
+// wide, so M = 1..8 issue the same instructions and only the x loads scale with M. A batch-invariant
+// backend also runs MT = 4 and 8 (M <= 32, 64: its decode buckets; same K slices, so the same bits). Rows m >= M and
 // n >= N are clamped to a valid row (the tensor core keeps rows and columns apart, so they only feed
 // outputs that are not stored); K must be a multiple of 8 (a uint4 is either in or out; K % 32 != 0
 // is one predicated tail step of the last warp), x's row stride a multiple of 8 and both base
@@ -342,3 +343,4 @@ template __global__ void gemm_inv<1>(const bf16_t*, long long, const bf16_t*, vo
     template __global__ void gemv_bf16<MT, R, U, PF, 0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int); \
     template __global__ void gemv_bf16<MT, R, U, PF, 1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
 GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 2, 0) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)
+GEMV_INST(4, 1, 2, 0) GEMV_INST(8, 1, 1, 0)  // batch-invariant decode buckets of 17..64 rows

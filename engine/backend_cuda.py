@@ -54,9 +54,11 @@ GDN_DK = (32, 64, 128)
 ATTN_HD = (64, 128, 256)
 ATTN_G = (1, 2, 3, 4, 6, 8)
 GEMV_MAX_M = 16  # linear() runs cuda/gemv.cu (tensor-core GEMV) for 1 <= M <= this, cublasLt above
+# batch_invariant: the GEMV (32- and 64-row variants) up to this many rows, gemm_inv above (same bits)
+GEMV_MAX_M_INVARIANT = 64
 # (MT, R, U, PF) instantiated in cuda/gemv.cu: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per
 # load batch, L2 256-byte prefetch hint on W loads
-GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0))
+GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
 GEMV_KERNELS = [f"gemv_bf16<{mt}, {r}, {u}, {pf}, {f}>" for mt, r, u, pf in GEMV_VARIANTS for f in (0, 1)]
 
 
@@ -78,7 +80,9 @@ def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, in
     2 blocks of 16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the
     256-byte L2 prefetch up to M = 8 (74 regs); U = 2 at M = 16 (64 regs, vs 94 for U = 4)."""
     nw = _gemv_nw(N, K)
-    if nw >= 8:
+    if M > 16:  # batch-invariant decode buckets: x tiles of 32 or 64 rows (one W pass)
+        v = (4, 1, 2, 0) if M <= 32 else (8, 1, 1, 0)
+    elif nw >= 8:
         v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
     else:
         v = (1, 1, 4, 1) if M <= 8 else (2, 1, 2, 0)
@@ -335,11 +339,12 @@ class CudaBackend:
         logits of magnitude ~10 would lose up to 0.03 nat to bf16 rounding. Decode-sized M (1..GEMV_MAX_M)
         runs the weight-streaming tensor-core GEMV of cuda/gemv.cu (bit-identical rows whatever M; an x
         view its 16-byte loads cannot read in place is copied first); larger M, K % 8 != 0 or an unaligned
-        weight go to cublasLt, or with batch_invariant to gemm_inv (gemv_bf16's results for any M)."""
+        weight go to cublasLt; with batch_invariant the GEMV runs up to GEMV_MAX_M_INVARIANT rows (its decode
+        buckets) and gemm_inv above (gemv_bf16's results for any M)."""
         f32_out = w.shape[0] >= LOGITS_ROWS
         M, K = x.shape
         N = w.shape[0]
-        small = 1 <= M <= GEMV_MAX_M
+        small = 1 <= M <= (GEMV_MAX_M_INVARIANT if self.batch_invariant else GEMV_MAX_M)
         if ((small or (self.batch_invariant and M)) and x.dtype == cupy.uint16 and w.dtype == cupy.uint16
                 and w.shape[1] == K and K % 8 == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0):
             if x.strides[1] != 2 or x.data.ptr % 16 or (M > 1 and x.strides[0] % 16):
@@ -348,7 +353,7 @@ class CudaBackend:
             sx = i64(x.strides[0] // 2) if M > 1 else i64(K)
             if small:
                 name, blocks, nw, smem = _gemv_plan(M, N, K, f32_out)
-                _fn("gemv.cu", name)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
+                _fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
             else:
                 _fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
                                                             (x, sx, w, out, i32(M), i32(N), i32(K), i32(_gemv_nw(N, K))))

@@ -159,11 +159,11 @@ def be_inv():
     return CudaBackend(poison=True, batch_invariant=True)
 
 
-@pytest.mark.parametrize("M", [GEMV_MAX_M + 1, 64, 100, 257])
+@pytest.mark.parametrize("M", [GEMV_MAX_M + 1, 33, 64, 100, 257])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_gemm_inv_matches_reference(be_inv, no_cublas, name, M):
-    """batch_invariant: M > GEMV_MAX_M runs gemm_inv (never cublasLt); right against NumPy, every output
-    written (poisoned first), partial tiles in M, N and K included."""
+    """batch_invariant: M > GEMV_MAX_M runs the 32/64-row GEMV variants up to 64 rows, gemm_inv above (never
+    cublasLt); right against NumPy, every output written (poisoned first), partial tiles in M, N and K."""
     x, x_np = rnd_x(77 * M + SHAPES[name][0], M, SHAPES[name][1])
     check(be_inv, x, x_np, name)
     assert not no_cublas[0]
@@ -171,8 +171,8 @@ def test_gemm_inv_matches_reference(be_inv, no_cublas, name, M):
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_gemm_inv_rows_equal_gemv_rows(be_inv, no_cublas, name):
-    """The batch-invariant contract: a row's bits are the same in any batch, gemv_bf16 (M <= 16) and gemm_inv
-    (any larger M) alike; x as a column view of a wider buffer (as fused projection outputs are) too."""
+    """The batch-invariant contract: a row's bits are the same in any batch, gemv_bf16 (M <= 64 in this mode)
+    and gemm_inv (any larger M) alike; x as a column view of a wider buffer (as fused projections are) too."""
     K = SHAPES[name][1]
     w = weight(name)[0]
     cupy.random.seed(K + 5)
@@ -183,6 +183,6 @@ def test_gemm_inv_rows_equal_gemv_rows(be_inv, no_cublas, name):
     for lo, hi in ((0, 1), (5, 21), (37, 38), (290, 300)):
         part = bits(be_inv.linear(x[lo:hi], w))
         assert np.array_equal(part, big[lo:hi]), (lo, hi)
-    for M in (17, 64, 65, 129):
+    for M in (17, 32, 33, 64, 65, 129):
         assert np.array_equal(bits(be_inv.linear(x[200:200 + M], w)), big[200:200 + M]), M
     assert not no_cublas[0]
