@@ -80,7 +80,7 @@ def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, in
     2 blocks of 16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the
     256-byte L2 prefetch up to M = 8 (74 regs); U = 2 at M = 16 (64 regs, vs 94 for U = 4)."""
     nw = _gemv_nw(N, K)
-    if M > 16:  # batch-invariant decode buckets: x tiles of 32 or 64 rows (one W pass)
+    if M > GEMV_MAX_M:  # batch-invariant decode buckets: x tiles of 32 or 64 rows (one W pass)
         v = (4, 1, 2, 0) if M <= 32 else (8, 1, 1, 0)
     elif nw >= 8:
         v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
@@ -262,8 +262,7 @@ class CudaBackend:
                 raise ValueError(f"prepare: max_ctx {max_ctx} < longest context {ctx}")
             ctx = int(max_ctx)
         lens = np.diff(step.cu_seqlens)
-        n_dec = int(np.argmax(lens != 1)) if (lens != 1).any() else B
-        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=n_dec)
+        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=_leading_singles(lens))
 
     def memory_used(self) -> int:
         return cupy.get_default_memory_pool().used_bytes()
@@ -527,6 +526,12 @@ class CudaBackend:
 PF_ROWS = 64  # query rows (token, q head) per tile: PF_ROWS in attention_prefill.cu
 
 
+def _leading_singles(lens: np.ndarray) -> int:
+    """Sequences before the first without exactly one new token: the step's decodes (they come first)."""
+    other = lens != 1
+    return int(np.argmax(other)) if other.any() else len(lens)
+
+
 def _prefill_tiles(step: Step, G: int):
     """(tiles, n_dec): n_dec leading single-token sequences (their tokens are rows 0..n_dec-1) stay on
     attn_fwd; every later sequence with tokens is cut into tiles of PF_ROWS flattened (token, q head of
@@ -536,7 +541,7 @@ def _prefill_tiles(step: Step, G: int):
     lens = np.diff(cu)
     if lens.size == 0 or lens.max() <= 1:
         return None, int(cu[-1])
-    n_dec = int(np.argmax(lens != 1))
+    n_dec = _leading_singles(lens)
     seqs = np.arange(n_dec, lens.size)
     seqs = seqs[lens[seqs] > 0]
     nt = -(-lens[seqs] * G // PF_ROWS)
