@@ -109,13 +109,15 @@ template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16
 //   P = tril(q_i.k_j D_ij);  Qs = q e^gam;  Ks = k e^(gam_last - gam)   (q, k L2-normed, q * dk^-0.5)
 // written in f32 as W, Qs, Ks [T, nv, DK], U [T, nv, dv], P [T, nv, 64], aux [T, nv, 4] (gam in .x).
 // gdn_chunk_state then runs per (32-column state tile, head, sequence), chunk after chunk:
-//   v_new = U - W S;  o = Qs S + P v_new;  S = e^gam_last S + Ks^T v_new.
-// Rows past a sequence's end are zeros (g = 0, beta = 0), which leaves outputs and state unchanged.
+//   v_new = U - W S;  o = Qs S + P v_new;  S = e^gam_last S + Ks^T v_new
+// on tensor cores (below). Rows past a sequence's end are zeros (g = 0, beta = 0), which leaves outputs
+// and state unchanged.
 #define GDN_C 64
 
-// Shared memory: q and k rows, then (once A, P, Qs, Ks are out) the same space holds X = [W | U], so two
-// blocks fit on an SM. A/P are a 64x64 product over DK done in 4x4 register tiles; the triangular solve
-// gives each thread whole columns of X, so it needs no barriers.
+// Shared memory: normed q and k rows and A. A/P are a 64x64 product over DK in 4x4 register tiles on
+// CUDA cores (a 3xTF32 tensor-core form, as in gdn_chunk_state, measured slower: 0.164 vs 0.155 ms at
+// 1024 tokens). The triangular solve gives each thread one column of X = [W | U] in registers, so it
+// needs no barriers and reads A as float4 broadcasts.
 template <int DK>
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     const bf16_t* __restrict__ qkv, long long sq, const bf16_t* __restrict__ a, long long sa,
@@ -125,12 +127,11 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
 {
     extern __shared__ __align__(16) float smem[];
     constexpr int KS = DK + 1;                  // padded row: column reads across rows are conflict-free
-    const int XS = DK + dv;                     // X = [W | U] row
+    constexpr int AS = GDN_C + 4;               // A row: float4 reads
     float* sq_ = smem;                          // [64][KS] normed, scaled q
     float* sk = sq_ + GDN_C * KS;               // [64][KS] normed k
-    float* sX = smem;                           // [64][XS], over sq_/sk once they are dead
-    float* sA = smem + max(2 * GDN_C * KS, GDN_C * XS);  // [64][65]
-    float* s_gam = sA + GDN_C * 65;             // [64]
+    float* sA = sk + GDN_C * KS;                // [64][AS]
+    float* s_gam = sA + GDN_C * AS;             // [64]
     float* s_beta = s_gam + GDN_C;              // [64]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
             for (int v = 0; v < 4; ++v) {
                 const int j = tj * 4 + v;
                 const float D = j <= i ? expf(s_gam[i] - s_gam[j]) : 0.0f;
-                sA[i * 65 + j] = j < i ? s_beta[i] * kk[u][v] * D : 0.0f;
+                sA[i * AS + j] = j < i ? s_beta[i] * kk[u][v] * D : 0.0f;
                 pr[v] = qk[u][v] * D;
             }
             if (i < L)
@@ -213,8 +214,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
                     make_float4(pr[0], pr[1], pr[2], pr[3]);
         }
     }
-    // Qs, Ks out; then each thread takes its X columns' right-hand sides into registers before the
-    // barrier that lets X overwrite q/k: X = [beta e^gam k | beta v]
+    // Qs, Ks out
     const float g_last = s_gam[L - 1];
     for (int idx = tid; idx < L * DK; idx += 256) {
         const int i = idx / DK, c = idx - i * DK;
@@ -222,164 +222,209 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
         Qs[o] = sq_[i * KS + c] * expf(s_gam[i]);
         Ks[o] = sk[i * KS + c] * expf(g_last - s_gam[i]);
     }
-    float rk_[GDN_C];                            // thread tid < DK: its k column of the right-hand side
-    if (tid < DK) {
+    __syncthreads();                            // sA complete
+    // (I + A) X = R by forward substitution, one column of X = [W | U] per thread, held in registers:
+    // R = [beta e^gam k | beta v]; rows past the end are zero and stay zero.
+    for (int c = tid; c < DK + dv; c += 256) {
+        float x[GDN_C];
 #pragma unroll
-        for (int i = 0; i < GDN_C; ++i) rk_[i] = s_beta[i] * expf(s_gam[i]) * sk[i * KS + tid];
-    }
-    __syncthreads();
-    if (tid < DK) {
+        for (int i = 0; i < GDN_C; ++i)
+            x[i] = c < DK ? s_beta[i] * expf(s_gam[i]) * sk[i * KS + c]
+                          : (i < L ? s_beta[i] * bf2f(qkv[(long long)(t0 + i) * sq + 2 * nk * DK + h * dv + c - DK]) : 0.0f);
 #pragma unroll
-        for (int i = 0; i < GDN_C; ++i) sX[i * XS + tid] = rk_[i];
-    }
-    for (int idx = tid; idx < GDN_C * dv; idx += 256) {
-        const int i = idx / dv, c = idx - i * dv;
-        sX[i * XS + DK + c] = i < L ? s_beta[i] * bf2f(qkv[(long long)(t0 + i) * sq + 2 * nk * DK + h * dv + c]) : 0.0f;
-    }
-    __syncthreads();
-    // forward substitution (I + A) X = R, column by column
-    for (int c = tid; c < XS; c += 256) {
-        for (int i = 1; i < L; ++i) {
-            float x0 = 0.0f, x1 = 0.0f;          // two chains halve the dependent-FMA latency
-            int j = 0;
-            for (; j + 1 < i; j += 2) {
-                x0 += sA[i * 65 + j] * sX[j * XS + c];
-                x1 += sA[i * 65 + j + 1] * sX[(j + 1) * XS + c];
+        for (int i = 1; i < GDN_C; ++i) {
+            float s[4] = {};                    // four chains: the row's dependent-FMA latency / 4
+#pragma unroll
+            for (int j = 0; j + 4 <= i; j += 4) {
+                const float4 a4 = *reinterpret_cast<const float4*>(sA + i * AS + j);
+                s[0] += a4.x * x[j]; s[1] += a4.y * x[j + 1]; s[2] += a4.z * x[j + 2]; s[3] += a4.w * x[j + 3];
             }
-            if (j < i) x0 += sA[i * 65 + j] * sX[j * XS + c];
-            sX[i * XS + c] -= x0 + x1;
+#pragma unroll
+            for (int j = i & ~3; j < i; ++j) s[j & 3] += sA[i * AS + j] * x[j];
+            x[i] -= (s[0] + s[1]) + (s[2] + s[3]);
         }
-        for (int i = 0; i < L; ++i) {
-            const long long t = t0 + i;
-            if (c < DK) W[(t * nv + h) * DK + c] = sX[i * XS + c];
-            else U[(t * nv + h) * dv + (c - DK)] = sX[i * XS + c];
-        }
+        float* dst = c < DK ? W + (long long)h * DK + c : U + (long long)h * dv + c - DK;
+        const long long ld = (long long)nv * (c < DK ? DK : dv);
+#pragma unroll
+        for (int i = 0; i < GDN_C; ++i)
+            if (i < L) dst[(t0 + i) * ld] = x[i];
     }
     if (tid < L) aux[((long long)(t0 + tid) * nv + h) * 4] = s_gam[tid];
 }
 
-// Rows [0, 64) x `n4` float4s of a [T, nv, width] tensor's chunk (head h) into smem rows of `width`.
-__device__ __forceinline__ void load_rows(float* dst, const float* src, int t0, int L, int nv, int h, int width,
-                                          int col0, int n4) {
+// ---- gdn_chunk_state: the four products on tensor cores (mma.sync m16n8k8 tf32) ------------------
+// HF runs this math in f32, so every product is 3xTF32: x = hi + lo (both tf32, lo the rounded
+// remainder) and a*b ~ ah*bh + ah*bl + al*bh, ~2^-22 relative error per product (f32-like) at 3
+// tensor-core ops instead of 1.
+__device__ __forceinline__ unsigned tf32_of(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+    hi = tf32_of(x);
+    lo = tf32_of(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment (16 x 8, lane (g, t) = (lane / 4, lane % 4): rows g, g + 8, columns t, t + 4) of the f32
+// matrix M[r][c] = base[r * ld + c] (or base[c * ld + r] with TR), split into tf32 hi/lo.
+template <bool TR>
+__device__ __forceinline__ void frag_a(const float* base, int ld, int r0, int c0, unsigned (&hi)[4], unsigned (&lo)[4]) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + g + (i & 1) * 8, c = c0 + t + (i >> 1) * 4;
+        split_tf32(TR ? base[c * ld + r] : base[r * ld + c], hi[i], lo[i]);
+    }
+}
+
+// acc[n] (16 rows x 8 columns n * 8..) += A (16 x K, frag_a) . B (K x 32, pre-split hi/lo rows of ld words)
+template <bool TR, int K>
+__device__ __forceinline__ void mma3_rows(float (&acc)[4][4], const float* a, int lda, int r0,
+                                          const unsigned* bh, const unsigned* bl, int ldb) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll 2
+    for (int k = 0; k < K; k += 8) {
+        unsigned ah[4], al[4];
+        frag_a<TR>(a, lda, r0, k, ah, al);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int o0 = (k + t) * ldb + n * 8 + g, o1 = o0 + 4 * ldb;
+            mma_tf32(acc[n], al, bh[o0], bh[o1]);
+            mma_tf32(acc[n], ah, bl[o0], bl[o1]);
+            mma_tf32(acc[n], ah, bh[o0], bh[o1]);
+        }
+    }
+}
+
+// Rows [0, 64) x `n4` float4s of a [T, nv, width] tensor's chunk (head h, from column col0) into smem
+// rows of `ld` floats.
+__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int t0, int L, int nv, int h,
+                                             int width, int col0, int n4) {
     for (int idx = threadIdx.x; idx < GDN_C * n4; idx += blockDim.x) {
         const int i = idx / n4, c = (idx - i * n4) * 4;
         const bool ok = i < L;
-        cp_async16(smem_addr(dst + i * n4 * 4 + c), ok ? src + ((long long)(t0 + i) * nv + h) * width + col0 + c : src,
+        cp_async16(smem_addr(dst + i * ld + c), ok ? src + ((long long)(t0 + i) * nv + h) * width + col0 + c : src,
                    ok ? 16 : 0);
     }
     cp_async_commit();
 }
 
-// Grid (dv/32, nv, B), 32 * gdn_state_warps(DK) threads. The block's state tile S [DK][32] lives in shared
-// memory; in the products a thread owns 64/NW rows of one column (lane = column), so the S/v_new column reads are
-// conflict-free and the W/Qs/P/Ks row reads are warp broadcasts (float4). W and Qs of the next chunk
-// are prefetched while the current one finishes (their buffers are free after v_new).
-// 16 warps hide the shared-memory latency of this serial loop better than 8; DK 32 keeps 8 so each
-// thread's S rows stay a multiple of 4 (float4 reads).
-__host__ __device__ constexpr int gdn_state_warps(int dk) { return dk >= 64 ? 16 : 8; }
-
+// Grid (dv/32, nv, B), 256 threads (8 warps). The block's state tile S [DK][32] lives in registers as mma
+// accumulators (warp w < DK/16 owns rows 16w..16w+15), with a hi/lo split copy in shared memory for the
+// products that read it. Per chunk: warps 0-3 compute W S (rows 16w..), warps 4-7 Qs S; warps 0-3 turn
+// theirs into v_new = U - W S (split into shared memory); then warps 4-7 add P v_new to o and store it,
+// while the owners update S = e^gam_last S + Ks^T v_new. Padded row strides keep fragment reads
+// conflict-free (W/Qs/P rows read as A: ld % 32 = 4; Ks read transposed: ld % 32 = 8; S/v_new: ld % 32 = 8).
 template <int DK>
-__global__ void __launch_bounds__(512) gdn_chunk_state(
+__global__ void __launch_bounds__(256) gdn_chunk_state(
     const float* __restrict__ W, const float* __restrict__ U, const float* __restrict__ P,
     const float* __restrict__ Qs, const float* __restrict__ Ks, const float* __restrict__ aux, float* state,
     const int* __restrict__ cu, const int* __restrict__ slots, bf16_t* __restrict__ out, int nv, int dv)
 {
+    constexpr int LW = DK + 4, LK = DK + 8, LP = GDN_C + 4, LN = 40;
     extern __shared__ __align__(16) float smem[];
-    float* sS = smem;                           // [DK][32]
-    float* sW = sS + DK * 32;                   // [64][DK]
-    float* sQ = sW + GDN_C * DK;                // [64][DK]
-    float* sK = sQ + GDN_C * DK;                // [64][DK]
-    float* sP = sK + GDN_C * DK;                // [64][64]
-    float* sU = sP + GDN_C * GDN_C;             // [64][32]
-    float* sV = sU + GDN_C * 32;                // [64][32]  v_new
+    unsigned* sSh = reinterpret_cast<unsigned*>(smem);   // [DK][LN] S, hi
+    unsigned* sSl = sSh + DK * LN;                       //          lo
+    float* sW = reinterpret_cast<float*>(sSl + DK * LN); // [64][LW]
+    float* sQ = sW + GDN_C * LW;                         // [64][LW]
+    float* sK = sQ + GDN_C * LW;                         // [64][LK]
+    float* sP = sK + GDN_C * LK;                         // [64][LP]
+    float* sU = sP + GDN_C * LP;                         // [64][LN]
+    unsigned* sVh = reinterpret_cast<unsigned*>(sU + GDN_C * LN);  // [64][LN] v_new, hi
+    unsigned* sVl = sVh + GDN_C * LN;                              //                lo
 
-    constexpr int NW = gdn_state_warps(DK), RW = GDN_C / NW, NT = 32 * NW;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int col0 = blockIdx.x * 32, h = blockIdx.y, seq = blockIdx.z;
     const int t_beg = cu[seq], t_end = cu[seq + 1];
     float* S_g = state + ((long long)slots[seq] * nv + h) * DK * dv + col0;
-    for (int idx = tid; idx < DK * 32; idx += NT) sS[idx] = S_g[(long long)(idx >> 5) * dv + (idx & 31)];
+    const bool owner = warp < DK / 16;
+    const int r0 = (warp & 3) * 16;             // this warp's rows of W S / Qs S / P v_new
+    float S[4][4];                              // owned S tile: rows 16 warp + g (+8), columns 8n + 2t (+1)
+
+    if (owner) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = warp * 16 + g + (i >> 1) * 8, c = n * 8 + 2 * t + (i & 1);
+                S[n][i] = S_g[(long long)r * dv + c];
+                split_tf32(S[n][i], sSh[r * LN + c], sSl[r * LN + c]);
+            }
+    }
     if (t_beg < t_end) {
         const int L = min(GDN_C, t_end - t_beg);
-        load_rows(sW, W, t_beg, L, nv, h, DK, 0, DK / 4);
-        load_rows(sQ, Qs, t_beg, L, nv, h, DK, 0, DK / 4);
+        load_rows(sW, LW, W, t_beg, L, nv, h, DK, 0, DK / 4);
+        load_rows(sQ, LW, Qs, t_beg, L, nv, h, DK, 0, DK / 4);
     }
 
     for (int t0 = t_beg; t0 < t_end; t0 += GDN_C) {
         const int L = min(GDN_C, t_end - t0);
-        __syncthreads();                        // every warp is done with sK, sP, sU, sV of the last chunk
-        load_rows(sK, Ks, t0, L, nv, h, DK, 0, DK / 4);
-        load_rows(sP, P, t0, L, nv, h, GDN_C, 0, GDN_C / 4);
-        load_rows(sU, U, t0, L, nv, h, dv, col0, 8);
+        __syncthreads();                        // last chunk's readers of sK, sP, sU, sV are done
+        load_rows(sK, LK, Ks, t0, L, nv, h, DK, 0, DK / 4);
+        load_rows(sP, LP, P, t0, L, nv, h, GDN_C, 0, GDN_C / 4);
+        load_rows(sU, LN, U, t0, L, nv, h, dv, col0, 8);
         const float decay = expf(aux[((long long)(t0 + L - 1) * nv + h) * 4]);
         cp_async_wait<0>();
         __syncthreads();
 
-        // v_new = U - W S and the first half of o = Qs S  (rows warp*RW .. +RW-1, column lane)
-        float acc[RW], o[RW];
+        float acc[4][4] = {};                   // warps 0-3: W S; warps 4-7: Qs S, then + P v_new = o
+        mma3_rows<false, DK>(acc, warp < 4 ? sW : sQ, LW, r0, sSh, sSl, LN);
+        if (warp < 4) {
 #pragma unroll
-        for (int r = 0; r < RW; ++r) { acc[r] = 0.0f; o[r] = 0.0f; }
-        for (int d = 0; d < DK; d += 4) {
-            float s[4];
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int u = 0; u < 4; ++u) s[u] = sS[(d + u) * 32 + lane];
-#pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                const float4 w = *reinterpret_cast<const float4*>(sW + (warp * RW + r) * DK + d);
-                const float4 q = *reinterpret_cast<const float4*>(sQ + (warp * RW + r) * DK + d);
-                acc[r] += w.x * s[0] + w.y * s[1] + w.z * s[2] + w.w * s[3];
-                o[r] += q.x * s[0] + q.y * s[1] + q.z * s[2] + q.w * s[3];
-            }
+                for (int i = 0; i < 4; ++i) {
+                    const int o = (r0 + g + (i >> 1) * 8) * LN + n * 8 + 2 * t + (i & 1);
+                    split_tf32(sU[o] - acc[n][i], sVh[o], sVl[o]);  // zero rows past the end stay zero
+                }
         }
-#pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            const int i = warp * RW + r;
-            sV[i * 32 + lane] = sU[i * 32 + lane] - acc[r];   // zero rows past the end stay zero
-        }
-        __syncthreads();                        // sW, sQ free; S still needed until the update below
+        __syncthreads();                        // v_new ready; sW, sQ and S's split copy are free
         if (t0 + GDN_C < t_end) {
             const int Ln = min(GDN_C, t_end - t0 - GDN_C);
-            load_rows(sW, W, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
-            load_rows(sQ, Qs, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
+            load_rows(sW, LW, W, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
+            load_rows(sQ, LW, Qs, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
         }
-        // o += P v_new
-        for (int j = 0; j < GDN_C; j += 4) {
-            float v[4];
+        if (warp >= 4) {
+            mma3_rows<false, GDN_C>(acc, sP, LP, r0, sVh, sVl, LN);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) v[u] = sV[(j + u) * 32 + lane];
+            for (int i = 0; i < 2; ++i) {
+                const int r = r0 + g + i * 8;
+                if (r < L) {
+                    unsigned* o = reinterpret_cast<unsigned*>(out + (long long)(t0 + r) * nv * dv + h * dv + col0 + 2 * t);
 #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                const float4 p = *reinterpret_cast<const float4*>(sP + (warp * RW + r) * GDN_C + j);
-                o[r] += p.x * v[0] + p.y * v[1] + p.z * v[2] + p.w * v[3];
+                    for (int n = 0; n < 4; ++n) o[n * 4] = pack2(acc[n][2 * i], acc[n][2 * i + 1]);
+                }
             }
         }
+        if (owner) {
 #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            const int i = warp * RW + r;
-            if (i < L) out[(long long)(t0 + i) * nv * dv + h * dv + col0 + lane] = f2bf(o[r]);
-        }
-        __syncthreads();                        // all S reads done
-        // S = e^gam_last S + Ks^T v_new  (rows warp*R .. +R-1, column lane)
-        constexpr int R = DK / NW;
-        float sacc[R];
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int r = 0; r < R; ++r) sacc[r] = 0.0f;
-        for (int j = 0; j < L; ++j) {
-            const float v = sV[j * 32 + lane];
+                for (int i = 0; i < 4; ++i) S[n][i] *= decay;
+            mma3_rows<true, GDN_C>(S, sK, LK, warp * 16, sVh, sVl, LN);
 #pragma unroll
-            for (int r = 0; r < R; r += 4) {
-                const float4 k = *reinterpret_cast<const float4*>(sK + j * DK + warp * R + r);
-                sacc[r] += k.x * v; sacc[r + 1] += k.y * v; sacc[r + 2] += k.z * v; sacc[r + 3] += k.w * v;
-            }
-        }
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float* s = sS + (warp * R + r) * 32 + lane;
-            *s = decay * *s + sacc[r];
+                for (int i = 0; i < 4; ++i) {
+                    const int o = (warp * 16 + g + (i >> 1) * 8) * LN + n * 8 + 2 * t + (i & 1);
+                    split_tf32(S[n][i], sSh[o], sSl[o]);
+                }
         }
     }
-    __syncthreads();
-    for (int idx = tid; idx < DK * 32; idx += NT) S_g[(long long)(idx >> 5) * dv + (idx & 31)] = sS[idx];
+    if (owner) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                S_g[(long long)(warp * 16 + g + (i >> 1) * 8) * dv + n * 8 + 2 * t + (i & 1)] = S[n][i];
+    }
 }
 
 #define GDN_CHUNK_INST(DK)                                                                                   \

@@ -419,12 +419,12 @@ class CudaBackend:
         P = self._empty((T, nv, C), cupy.float32)
         aux = self._empty((T, nv, 4), cupy.float32)
         n_chunks = -(-meta.max_new // C)
-        smem = 4 * (max(2 * C * (dk + 1), C * (dk + dv)) + C * 65 + 2 * C)
+        smem = 4 * (2 * C * (dk + 1) + C * (C + 4) + 2 * C)  # the padded rows of gdn.cu
         _fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
-        smem = 4 * (dk * 32 + 3 * C * dk + C * C + 2 * C * 32)
-        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (512 if dk >= 64 else 256,),  # gdn_state_warps() in gdn.cu
+        smem = 4 * (2 * dk * 40 + 2 * C * (dk + 4) + C * (dk + 8) + C * (C + 4) + 3 * C * 40)  # padded rows, gdn.cu
+        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (256,),
             (W, U, P, Qs, Ks, aux, state, cu, slots, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
