@@ -4,6 +4,13 @@ time the device was busy (forward + sampling, device-timed) and the median perio
 steps, read from the step trace.
 
     python tools/bench_engine.py MODEL_DIR --input-len 1024 --output-len 256 --concurrency 1,4,8,16,32,64
+
+By default each level runs 2 x concurrency requests, at most `concurrency` in flight, so a request
+decodes while others are admitted and their prefill shares its steps (TPOT counts that, as vLLM's
+does). --one-wave runs exactly `concurrency` requests per level, all submitted together, with a step
+budget that admits every prompt in one step: each request then decodes beside the same others from
+its first token to its last, and TPOT is the engine's decode step, comparable with the bare graph
+step of bench_decode.py.
 """
 from __future__ import annotations
 
@@ -22,10 +29,9 @@ from engine import SamplingParams  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 
-async def _one(eng: Engine, ids, params, out: list) -> None:
-    st = time.perf_counter()
+async def _consume(stream, st: float, out: list) -> None:
     ttft, last, n = None, st, 0
-    async for o in eng.add_request(ids, params):
+    async for o in stream:
         if o.new_token_ids:
             now = time.perf_counter()
             ttft = now - st if ttft is None else ttft
@@ -33,15 +39,26 @@ async def _one(eng: Engine, ids, params, out: list) -> None:
     out.append((ttft or 0.0, last - st, n))
 
 
-async def _level(eng, prompts, params, concurrency):
+async def _level(eng, prompts, params, concurrency, one_wave=False):
     sem, res = asyncio.Semaphore(concurrency), []
 
     async def guarded(p):
         async with sem:
-            await _one(eng, p, params, res)
+            await _consume(eng.add_request(p, params), time.perf_counter(), res)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*[guarded(p) for p in prompts])
+    if one_wave:
+        # Validating 64 prompts takes longer than the interpreter's 5 ms thread switch interval: hold the
+        # engine thread off until the whole wave is in its inbox, so that one step admits all of it.
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)
+        try:
+            streams = [eng.add_request(p, params) for p in prompts]
+        finally:
+            sys.setswitchinterval(old)
+        await asyncio.gather(*[_consume(s, t0, res) for s in streams])
+    else:
+        await asyncio.gather(*[guarded(p) for p in prompts])
     return res, time.perf_counter() - t0
 
 
@@ -54,7 +71,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompts-per-level", type=int, default=0, help="default: 2 x concurrency (at least 4)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-model-len", type=int, default=0, help="default: input + output + 16")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="default: 2048; with --one-wave, enough for every prompt of the largest level")
+    ap.add_argument("--one-wave", action="store_true", help="concurrency requests per level, all admitted in one step")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="keep the step trace (tools/trace_report.py)")
     ap.add_argument("--batch-invariant", action="store_true", help="Engine(batch_invariant=True)")
@@ -62,19 +81,20 @@ def main(argv=None) -> list[dict]:
     levels = [int(c) for c in a.concurrency.split(",")]
     trace = Path(a.trace_steps or Path(tempfile.mkdtemp()) / "steps.jsonl")
     trace.unlink(missing_ok=True)
+    budget = a.max_num_batched_tokens or (max(levels) * (a.input_len + 1) if a.one_wave else 2048)
     eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
                  batch_invariant=a.batch_invariant,
                  max_model_len=a.max_model_len or a.input_len + a.output_len + 16,
-                 max_num_batched_tokens=max(a.max_num_batched_tokens, max(levels)))
+                 max_num_batched_tokens=max(budget, max(levels)))
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
     asyncio.run(_level(eng, [rng.integers(0, 200000, a.input_len).tolist()], params, 1))  # warm-up
     for c in levels:
-        n = a.prompts_per_level or max(4, 2 * c)
+        n = a.prompts_per_level or (c if a.one_wave else max(4, 2 * c))
         prompts = [rng.integers(0, 200000, a.input_len).tolist() for _ in range(n)]
         start = time.perf_counter()
-        res, wall = asyncio.run(_level(eng, prompts, params, c))
+        res, wall = asyncio.run(_level(eng, prompts, params, c, a.one_wave))
         steps = [json.loads(s) for s in trace.read_text().splitlines()]
         steps = [s for s in steps if s["t"] >= start]
         ttft = [r[0] for r in res]
@@ -85,11 +105,14 @@ def main(argv=None) -> list[dict]:
                      "median_tpot_ms": 1e3 * float(np.median(tpot)), "mean_tpot_ms": 1e3 * float(np.mean(tpot)),
                      "output_tok_s": sum(r[2] for r in res) / wall,
                      "gpu_busy_frac": sum(s["gpu_ms"] for s in steps) / 1e3 / wall,
+                     "p99_tpot_ms": 1e3 * float(np.percentile(tpot, 99)),
+                     "prompt_steps": sum(s["kind"] != "decode" for s in steps),
                      "full_batch_decode_step_ms": float(np.median(decode)) if decode else None})
         r = rows[-1]
         print(f"c={c:3d}  TTFT {r['mean_ttft_ms']:8.1f} ms  TPOT {r['median_tpot_ms']:7.2f} ms  "
               f"{r['output_tok_s']:8.1f} tok/s  GPU busy {r['gpu_busy_frac']:.2f}  "
-              f"full-batch decode step {r['full_batch_decode_step_ms'] or 0:.2f} ms", flush=True)
+              f"full-batch decode step {r['full_batch_decode_step_ms'] or 0:.2f} ms  "
+              f"TPOT p99 {r['p99_tpot_ms']:.2f} ms  steps with prompt tokens {r['prompt_steps']}", flush=True)
     eng.shutdown()
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
