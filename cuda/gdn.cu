@@ -284,18 +284,19 @@ __device__ __forceinline__ void frag_a(const float* base, int ld, int r0, int c0
     }
 }
 
-// acc[n] (16 rows x 8 columns n * 8..) += A (16 x K, frag_a) . B (K x 32, pre-split hi/lo rows of ld words)
-template <bool TR, int K>
-__device__ __forceinline__ void mma3_rows(float (&acc)[4][4], const float* a, int lda, int r0,
-                                          const unsigned* bh, const unsigned* bl, int ldb) {
+// acc[n] (16 rows x 8 columns c0 + n * 8..) += A (16 x K, frag_a) . B (K x 8 NN, pre-split hi/lo rows of
+// ldb words)
+template <bool TR, int K, int NN>
+__device__ __forceinline__ void mma3_rows(float (&acc)[NN][4], const float* a, int lda, int r0,
+                                          const unsigned* bh, const unsigned* bl, int ldb, int c0) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll 2
     for (int k = 0; k < K; k += 8) {
         unsigned ah[4], al[4];
         frag_a<TR>(a, lda, r0, k, ah, al);
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int o0 = (k + t) * ldb + n * 8 + g, o1 = o0 + 4 * ldb;
+        for (int n = 0; n < NN; ++n) {
+            const int o0 = (k + t) * ldb + c0 + n * 8 + g, o1 = o0 + 4 * ldb;
             mma_tf32(acc[n], al, bh[o0], bh[o1]);
             mma_tf32(acc[n], ah, bl[o0], bl[o1]);
             mma_tf32(acc[n], ah, bh[o0], bh[o1]);
@@ -316,14 +317,17 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, 
     cp_async_commit();
 }
 
-// Grid (dv/32, nv, B), 256 threads (8 warps). The block's state tile S [DK][32] lives in registers as mma
-// accumulators (warp w < DK/16 owns rows 16w..16w+15), with a hi/lo split copy in shared memory for the
-// products that read it. Per chunk: warps 0-3 compute W S (rows 16w..), warps 4-7 Qs S; warps 0-3 turn
-// theirs into v_new = U - W S (split into shared memory); then warps 4-7 add P v_new to o and store it,
-// while the owners update S = e^gam_last S + Ks^T v_new. Padded row strides keep fragment reads
-// conflict-free (W/Qs/P rows read as A: ld % 32 = 4; Ks read transposed: ld % 32 = 8; S/v_new: ld % 32 = 8).
+// Grid (dv/32, nv, B), 512 threads: 16 warps, as two sets of 8 that split the tile's 32 columns (one
+// block per SM for the shared memory below, so the warps are what hides the mma and load latency). The
+// block's state tile S [DK][32] lives in registers as mma accumulators (warp w owns rows 16 (w % 8)..
+// +15 of its columns, if w % 8 < DK/16), with a hi/lo split copy in shared memory for the products that
+// read it. Per chunk, with q = w % 8: warps q < 4 compute W S (rows 16q..), q >= 4 Qs S; the first
+// turn theirs into v_new = U - W S (split into shared memory); then the second add P v_new to o and
+// store it, while the owners update S = e^gam_last S + Ks^T v_new. Padded row strides keep fragment
+// reads conflict-free (W/Qs/P rows read as A: ld % 32 = 4; Ks read transposed: ld % 32 = 8; S/v_new: 8).
+#define GDN_STATE_WARPS 16
 template <int DK>
-__global__ void __launch_bounds__(256) gdn_chunk_state(
+__global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     const float* __restrict__ W, const float* __restrict__ U, const float* __restrict__ P,
     const float* __restrict__ Qs, const float* __restrict__ Ks, const float* __restrict__ aux, float* state,
     const int* __restrict__ cu, const int* __restrict__ slots, bf16_t* __restrict__ out, int nv, int dv)
@@ -344,16 +348,18 @@ __global__ void __launch_bounds__(256) gdn_chunk_state(
     const int col0 = blockIdx.x * 32, h = blockIdx.y, seq = blockIdx.z;
     const int t_beg = cu[seq], t_end = cu[seq + 1];
     float* S_g = state + ((long long)slots[seq] * nv + h) * DK * dv + col0;
-    const bool owner = warp < DK / 16;
-    const int r0 = (warp & 3) * 16;             // this warp's rows of W S / Qs S / P v_new
-    float S[4][4];                              // owned S tile: rows 16 warp + g (+8), columns 8n + 2t (+1)
+    constexpr int NN = 32 / 8 / (GDN_STATE_WARPS / 8);  // 8-column mma tiles per warp
+    const int q = warp & 7, c0 = (warp >> 3) * NN * 8;  // row role, first column
+    const bool owner = q < DK / 16;
+    const int r0 = (q & 3) * 16;                // this warp's rows of W S / Qs S / P v_new
+    float S[NN][4];                             // owned S tile: rows 16q + g (+8), columns c0 + 8n + 2t (+1)
 
     if (owner) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < NN; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int r = warp * 16 + g + (i >> 1) * 8, c = n * 8 + 2 * t + (i & 1);
+                const int r = q * 16 + g + (i >> 1) * 8, c = c0 + n * 8 + 2 * t + (i & 1);
                 S[n][i] = S_g[(long long)r * dv + c];
                 split_tf32(S[n][i], sSh[r * LN + c], sSl[r * LN + c]);
             }
@@ -374,14 +380,14 @@ __global__ void __launch_bounds__(256) gdn_chunk_state(
         cp_async_wait<0>();
         __syncthreads();
 
-        float acc[4][4] = {};                   // warps 0-3: W S; warps 4-7: Qs S, then + P v_new = o
-        mma3_rows<false, DK>(acc, warp < 4 ? sW : sQ, LW, r0, sSh, sSl, LN);
-        if (warp < 4) {
+        float acc[NN][4] = {};                  // q < 4: W S; q >= 4: Qs S, then + P v_new = o
+        mma3_rows<false, DK, NN>(acc, q < 4 ? sW : sQ, LW, r0, sSh, sSl, LN, c0);
+        if (q < 4) {
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < NN; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int o = (r0 + g + (i >> 1) * 8) * LN + n * 8 + 2 * t + (i & 1);
+                    const int o = (r0 + g + (i >> 1) * 8) * LN + c0 + n * 8 + 2 * t + (i & 1);
                     split_tf32(sU[o] - acc[n][i], sVh[o], sVl[o]);  // zero rows past the end stay zero
                 }
         }
@@ -391,39 +397,39 @@ __global__ void __launch_bounds__(256) gdn_chunk_state(
             load_rows(sW, LW, W, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
             load_rows(sQ, LW, Qs, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
         }
-        if (warp >= 4) {
-            mma3_rows<false, GDN_C>(acc, sP, LP, r0, sVh, sVl, LN);
+        if (q >= 4) {
+            mma3_rows<false, GDN_C, NN>(acc, sP, LP, r0, sVh, sVl, LN, c0);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int r = r0 + g + i * 8;
                 if (r < L) {
-                    unsigned* o = reinterpret_cast<unsigned*>(out + (long long)(t0 + r) * nv * dv + h * dv + col0 + 2 * t);
+                    unsigned* o = reinterpret_cast<unsigned*>(out + (long long)(t0 + r) * nv * dv + h * dv + col0 + c0 + 2 * t);
 #pragma unroll
-                    for (int n = 0; n < 4; ++n) o[n * 4] = pack2(acc[n][2 * i], acc[n][2 * i + 1]);
+                    for (int n = 0; n < NN; ++n) o[n * 4] = pack2(acc[n][2 * i], acc[n][2 * i + 1]);
                 }
             }
         }
         if (owner) {
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < NN; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) S[n][i] *= decay;
-            mma3_rows<true, GDN_C>(S, sK, LK, warp * 16, sVh, sVl, LN);
+            mma3_rows<true, GDN_C, NN>(S, sK, LK, q * 16, sVh, sVl, LN, c0);
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < NN; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int o = (warp * 16 + g + (i >> 1) * 8) * LN + n * 8 + 2 * t + (i & 1);
+                    const int o = (q * 16 + g + (i >> 1) * 8) * LN + c0 + n * 8 + 2 * t + (i & 1);
                     split_tf32(S[n][i], sSh[o], sSl[o]);
                 }
         }
     }
     if (owner) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < NN; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                S_g[(long long)(warp * 16 + g + (i >> 1) * 8) * dv + n * 8 + 2 * t + (i & 1)] = S[n][i];
+                S_g[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)] = S[n][i];
     }
 }
 

@@ -122,6 +122,7 @@ def _fn(file: str, name: str, smem: int = 0):
 
 i32, i64, f32 = np.int32, np.int64, np.float32
 GDN_CHUNK = 64  # tokens per chunk of the WY prefill form (GDN_C in gdn.cu)
+GDN_STATE_WARPS = 16  # gdn_chunk_state's block (GDN_STATE_WARPS in gdn.cu)
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -424,7 +425,7 @@ class CudaBackend:
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
         smem = 4 * (2 * dk * 40 + 2 * C * (dk + 4) + C * (dk + 8) + C * (C + 4) + 3 * C * 40)  # padded rows, gdn.cu
-        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (256,),
+        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS,),
             (W, U, P, Qs, Ks, aux, state, cu, slots, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
