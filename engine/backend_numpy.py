@@ -129,8 +129,11 @@ class NumpyBackend:
     batch_invariant = False  # NumPy's matmul may sum in an order that depends on M
 
     # ---- weights and state -------------------------------------------------------------
-    def weight(self, arr: np.ndarray) -> np.ndarray:
-        """Checkpoint array (bf16 bits as uint16, or f32) -> compute array (f32 here)."""
+    def weight(self, arr) -> np.ndarray:
+        """Checkpoint array (bf16 bits as uint16, or f32), or a list of them to concatenate (rows)
+        -> compute array (f32 here)."""
+        if isinstance(arr, list):
+            arr = np.concatenate(arr)
         if arr.dtype == np.uint16:
             return bf16_to_f32(arr)
         return np.ascontiguousarray(arr, np.float32)

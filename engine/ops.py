@@ -34,8 +34,9 @@ class Backend(Protocol):
     needs_warm_up: bool       # first uses are slow (lazy plans, pools): run a step before serving
 
     # ---- weights, state, kernels -------------------------------------------------------
-    def weight(self, arr: np.ndarray) -> Any:
-        """Checkpoint array (bf16 bits as uint16, or f32) -> the backend's weight array."""
+    def weight(self, arr) -> Any:
+        """Checkpoint array (bf16 bits as uint16, or f32), or a list of them to concatenate along rows (a
+        fused projection) -> the backend's weight array."""
 
     def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache: ...
 

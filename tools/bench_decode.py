@@ -42,6 +42,8 @@ class RandomWeightBackend(CudaBackend):
     placeholder host arrays it is given; vectors are uploaded as given (zeros)."""
 
     def weight(self, arr):
+        if isinstance(arr, list):  # a fused projection: only its shape matters
+            arr = np.broadcast_to(arr[0].reshape(-1)[0], (sum(a.shape[0] for a in arr), *arr[0].shape[1:]))
         if arr.ndim == 2 and arr.dtype == np.uint16:
             x = cupy.random.standard_normal(arr.shape, dtype=cupy.float32)
             x *= np.float32(1.0 / np.sqrt(arr.shape[1]))

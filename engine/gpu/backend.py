@@ -99,7 +99,19 @@ class CudaBackend:
         return a
 
     # ---- weights and state -------------------------------------------------------------
-    def weight(self, arr: np.ndarray) -> cupy.ndarray:
+    def weight(self, arr) -> cupy.ndarray:
+        """A list of bf16 matrices is fused on the device, each part copied into its rows (the host never
+        holds the concatenation: most of the weights are fused)."""
+        if isinstance(arr, list):
+            parts = [np.ascontiguousarray(p) for p in arr]
+            if parts[0].ndim != 2 or any(p.dtype != np.uint16 for p in parts):
+                return self.weight(np.concatenate(parts))
+            out = cupy.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), cupy.uint16)
+            r = 0
+            for p in parts:
+                out[r:r + p.shape[0]].set(p)
+                r += p.shape[0]
+            return out
         arr = np.ascontiguousarray(arr)
         if arr.ndim == 1:
             if arr.dtype == np.uint16:
