@@ -26,7 +26,7 @@
 // Block = NW warps (run time, NW = blockDim.x / 32, <= 16) sharing one group of 16R rows, warp w
 // taking steps [w * S / NW, (w + 1) * S / NW) of the S = K / 32 steps. Partials (per warp: 16R x 8MT
 // f32) go to shared memory and one thread per output sums them over w = 0 .. NW-1 in order.
-// Grid = ceil(N / (16 R)) blocks. The host (_gemv_plan in engine/backend_cuda.py) picks NW from (N, K)
+// Grid = ceil(N / (16 R)) blocks. The host (gemv_plan in engine/gpu/gemv_plan.py) picks NW from (N, K)
 // and the variant from (M, NW): e.g. 4B down (N = 2560, only 160 row groups) runs 16 warps per block.
 //
 // Determinism and M-invariance. An output y[m, n] is: per warp, the mma chain over its k slice in step
@@ -48,8 +48,8 @@
 #define GEMV_MAX_WARPS 16
 
 // W loads skip L1 (W is read once; x stays cached). PF = 1 adds the .L2::256B prefetch-size hint: it
-// paid off (+3..8%) for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration,
-// and cost up to 9% on the 16-warp plans of N = 2560 (H200 sweep, graph-timed).
+// pays off for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration, and costs
+// on the 16-warp plans of N = 2560 (the sweep: docs/benchmarks/NOTES.md).
 template <int PF>
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16_t* p) {
     uint4 r;
@@ -234,6 +234,17 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
 #define GI_BM 64
 #define GI_STAGES 4
 
+// f(r, t, i) for every accumulator element of a warp's tile (2 W groups x 4 x tiles x 4), unrolled.
+template <class F>
+__device__ __forceinline__ void gi_each_acc(F f) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) f(r, t, i);
+}
+
 template <int F32>
 __global__ void __launch_bounds__(256, 2) gemm_inv(
     const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, void* __restrict__ y,
@@ -307,33 +318,23 @@ __global__ void __launch_bounds__(256, 2) gemm_inv(
 #pragma unroll
             for (int t = 0; t < 4; ++t) mma_step(acc[r][t], a[r][0], a[r][1], b[t]);
         while (s + 1 == slice_end) {  // fold the finished slice into the total, in slice order
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int t = 0; t < 4; ++t)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        tot[r][t][i] = slice == 0 ? acc[r][t][i] : tot[r][t][i] + acc[r][t][i];
-                        acc[r][t][i] = 0.0f;
-                    }
+            gi_each_acc([&](int r, int t, int i) {
+                tot[r][t][i] = slice == 0 ? acc[r][t][i] : tot[r][t][i] + acc[r][t][i];
+                acc[r][t][i] = 0.0f;
+            });
             if (++slice >= nw) break;
             slice_end = slice == nw - 1 ? nsteps : (slice + 1) * S / nw;
         }
     }
 
     // accumulator (r, t): [0] (W row 16r+g, x row 8t+2tg), [1] x row +1, [2] W row +8, [3] both
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int n = n0 + wn + 16 * r + g + 8 * (i >> 1), m = m0 + wm + 8 * t + 2 * tg + (i & 1);
-                if (n >= N || m >= M) continue;
-                const long long o = (long long)m * N + n;
-                if (F32) static_cast<float*>(y)[o] = tot[r][t][i];
-                else static_cast<bf16_t*>(y)[o] = f2bf(tot[r][t][i]);
-            }
+    gi_each_acc([&](int r, int t, int i) {
+        const int n = n0 + wn + 16 * r + g + 8 * (i >> 1), m = m0 + wm + 8 * t + 2 * tg + (i & 1);
+        if (n >= N || m >= M) return;
+        const long long o = (long long)m * N + n;
+        if (F32) static_cast<float*>(y)[o] = tot[r][t][i];
+        else static_cast<bf16_t*>(y)[o] = f2bf(tot[r][t][i]);
+    });
 }
 // Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
 // by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
