@@ -119,8 +119,8 @@ template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16
 #define GDN_C 64
 
 // Shared memory: normed q and k rows and A. A/P are a 64x64 product over DK in 4x4 register tiles on
-// CUDA cores (a 3xTF32 tensor-core form, as in gdn_chunk_state, measured slower: 0.164 vs 0.155 ms at
-// 1024 tokens). The triangular solve gives each thread one column of X = [W | U] in registers, so it
+// CUDA cores (a 3xTF32 tensor-core form, as in gdn_chunk_state, was slower: docs/benchmarks/NOTES.md).
+// The triangular solve gives each thread one column of X = [W | U] in registers, so it
 // needs no barriers and reads A as float4 broadcasts.
 template <int DK>
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(

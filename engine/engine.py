@@ -125,7 +125,7 @@ class Engine:
             self.runner.graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT,
                                               dummy_block=DUMMY_BLOCK, max_blocks_per_seq=-(-max_len // a.block_size),
                                               capture_now=True)
-        log.info("engine ready in %.1f s (config, weights and cache %.1f s; kernels, warm-up and graphs %.1f s)",
+        log.info("engine ready in %.1f s (config and weights %.1f s; cache, kernels, warm-up and graphs %.1f s)",
                  time.perf_counter() - t_start, t_weights - t_start, time.perf_counter() - t_weights)
         self.max_model_len = max_len
         self.eos_ids = frozenset(cfg.eos_token_ids) | (

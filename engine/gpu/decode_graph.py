@@ -1,7 +1,7 @@
 """CUDA-graph capture and replay of the pure-decode step (CUDA backend only).
 
-At batch size 1 a decode step is launch-bound: ~15 kernels per layer at 15-30 us of CuPy launch
-overhead each. DecodeGraphs captures the whole forward (every kernel and cublasLt GEMM, the final norm
+At batch size 1 a decode step is launch-bound: ~15 kernels per layer, each with CuPy's launch overhead
+(docs/benchmarks/decode-graph-h200.md). DecodeGraphs captures the whole forward (every kernel and cublasLt GEMM, the final norm
 and lm_head) once per batch-size bucket and replays it with one cudaGraphLaunch.
 
 How a step is run
