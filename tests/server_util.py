@@ -22,12 +22,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m engine.cli serve` on 127.0.0.1; the context exits with SIGINT and checks a clean exit."""
+    """`python -m server.cli serve` on 127.0.0.1; the context exits with SIGINT and checks a clean exit."""
 
     def __init__(self, model_dir, *args: str, name: str = "tiny", device: str = "cpu", ready_timeout: float = 300):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+        self.cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--host", "127.0.0.1",
                     "--port", str(self.port), "--device", device, "--served-model-name", name,
                     "--uvicorn-log-level", "warning", *args]
         self.ready_timeout = ready_timeout

@@ -1,4 +1,8 @@
-"""The `qwen35` command: serve, generate, make-model, bench serve."""
+"""The `qwen35` command: serve, generate, make-model, bench serve.
+
+It lives above both the engine and the server (and the benchmark clients in tools/), so every
+import goes down.
+"""
 from __future__ import annotations
 
 import argparse
@@ -29,12 +33,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 def model_dir(a: argparse.Namespace) -> str:
     if a.model:
         return a.model
-    from .demo import demo_model_dir
+    from engine.demo import demo_model_dir
     return str(demo_model_dir())
 
 
 def _generate(a: argparse.Namespace) -> None:
-    from . import LLM, SamplingParams
+    from engine import LLM, SamplingParams
 
     llm = LLM(model_dir(a), **engine_kwargs(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
@@ -48,23 +52,17 @@ def _generate(a: argparse.Namespace) -> None:
 
 def _serve(a: argparse.Namespace) -> None:
     import logging
-    from server.launch import serve
+    from .launch import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     serve(model_dir(a), host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
           engine_args=engine_kwargs(a), log_level=a.uvicorn_log_level)
 
 
-def _bench(argv: list[str]):
-    """The benchmark clients live in the source tree's tools/ (not a package): `pip install -e .` keeps it."""
-    from pathlib import Path
+def _bench(argv: list[str]) -> None:
     if argv[:1] != ["serve"]:
         raise SystemExit("usage: qwen35 bench serve [--help | bench_serving options]")
-    tools = Path(__file__).resolve().parents[1] / "tools"
-    if not (tools / "bench_serving.py").is_file():
-        raise SystemExit(f"qwen35 bench needs the source tree's tools/ ({tools} not found): install with pip install -e")
-    sys.path.insert(0, str(tools))
-    import bench_serving
+    from tools import bench_serving
     bench_serving.main(argv[1:])
 
 
@@ -90,7 +88,7 @@ def main(argv=None) -> None:
                    add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-model"]:
-        from .checkpoint import main as make_main
+        from engine.checkpoint import main as make_main
         return make_main(argv[1:])
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
