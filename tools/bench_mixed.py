@@ -293,6 +293,7 @@ def main(argv=None) -> list[dict]:
         print(markdown(cells))
         return cells
     if a.launch:
+        a.tokenizer = a.tokenizer or a.launch  # the server's /v1/models root is no path without a served name
         a.trace = str((out / f"steps-{a.label}.jsonl").resolve())
         Path(a.trace).unlink(missing_ok=True)
         with launched(a.launch, a.server_args, a.trace, out / f"server-{a.label}.log", a.ready_timeout) as url:
