@@ -162,7 +162,7 @@ async def _prepare(request: Request, ctx: ServerContext, work):
 
 
 async def _respond(request: Request, ctx: ServerContext, job: serving.Job, thinking, as_json, as_stream):
-    serving.submit(ctx, job, thinking)  # admission (503 on a full queue) before any header
+    await serving.submit(ctx, job, thinking)  # admission (503 on a full queue) before any header
     if job.g.stream:
         return EventStream(as_stream(ctx, job))
     try:

@@ -17,6 +17,7 @@ from .protocol import GenRequest
 from . import engine_io, sse
 
 log = logging.getLogger("qwen35.server")
+YIELD_EVERY_TOKENS = 1 << 16  # prompt tokens submitted between two turns of the event loop (~10 ms)
 # vLLM response fields this server has nothing for: null, as vLLM sends them
 _NULL_FIELDS = {"service_tier": None, "system_fingerprint": None, "kv_transfer_params": None}
 
@@ -46,10 +47,10 @@ class Job:
         return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
 
 
-def submit(ctx, job: Job, thinking: bool | None) -> None:
+async def submit(ctx, job: Job, thinking: bool | None) -> None:
     """Admit every engine request now (before any header), or none of them. thinking: None
     without a reasoning parser, else whether the prompt opened a <think> block."""
-    g = job.g
+    g, checked = job.g, 0
     need, room = len(job.prompts) * g.n, engine_io.queue_room(ctx.engine)
     if need > room:  # checked whole, so that a big request never enqueues part of itself first
         raise engine_io.overloaded(f"The request queue is full: room for {room} more requests, this one needs "
@@ -65,6 +66,10 @@ def submit(ctx, job: Job, thinking: bool | None) -> None:
                     params = replace(params, seed=params.seed + i)
                 job.choices.append(ChoiceState(idx, ctx.tokenizer, thinking))
                 job.streams.append(engine_io.add(ctx.engine, f"{job.rid}-{idx}", ids, params))
+                checked += len(ids)
+                if checked >= YIELD_EVERY_TOKENS:  # the engine checks every prompt id on this thread
+                    checked = 0
+                    await asyncio.sleep(0)  # let the loop serve the others between the parts of a big request
     except BaseException:
         abort_all(ctx, job)
         raise

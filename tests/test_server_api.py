@@ -14,9 +14,10 @@ import pytest
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from server import prompts
+from server import prompts, serving
 from server.app import ServerContext, build_app
 from server.launch import model_names
+from server.protocol import GenRequest
 from server.reasoning import ReasoningSplitter, prompt_opens_thinking
 from server_util import metric, sse_events
 
@@ -434,6 +435,26 @@ async def test_limits_come_from_the_engine(tiny_dir):
             assert r.status_code == 400 and err["param"] == "logprobs" and "max_logprobs (5)" in err["message"]
             r = await c.post("/v1/chat/completions", json=_chat_body(logprobs=True, top_logprobs=6))
             assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    finally:
+        eng.shutdown()
+
+
+async def test_a_big_request_lets_the_loop_run_while_it_is_submitted(tiny_dir):
+    eng = Engine(tiny_dir, start=False, device="cpu", max_num_seqs=4, max_model_len=1024)
+    try:
+        job = serving.Job("cmpl-big", GenRequest(params=SamplingParams(max_tokens=1)), [[5] * 1000] * 300, [])
+        turns = 0
+
+        async def other_request():
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+        other = asyncio.create_task(other_request())
+        await asyncio.sleep(0)
+        await serving.submit(ServerContext(eng, "tiny", "tiny"), job, None)
+        other.cancel()
+        assert eng.stats().waiting == 300 and turns >= 300_000 // serving.YIELD_EVERY_TOKENS
     finally:
         eng.shutdown()
 
