@@ -57,15 +57,18 @@ class _Usage(Exception):
     """A mistake the user can fix: printed as one line."""
 
 
-def model_dir(a: argparse.Namespace) -> str:
-    if not a.model:
-        from engine.demo import demo_model_dir
-        return str(demo_model_dir())
-    if not Path(a.model).is_dir():
+def _checkpoint(a: argparse.Namespace) -> str | None:
+    """The checkpoint directory given, checked; None for the demo."""
+    if a.model and not Path(a.model).is_dir():
         raise _Usage(f"{a.model}: no such directory")
-    if not (Path(a.model) / "config.json").is_file():
+    if a.model and not (Path(a.model) / "config.json").is_file():
         raise _Usage(f"{a.model}: not a checkpoint directory (no config.json)")
     return a.model
+
+
+def _demo() -> str:
+    from engine.demo import demo_model_dir
+    return str(demo_model_dir())  # written on first use
 
 
 def _check_device(a: argparse.Namespace) -> None:
@@ -77,7 +80,7 @@ def _generate(a: argparse.Namespace) -> None:
     from engine import LLM, SamplingParams
 
     _check_device(a)
-    llm = LLM(model_dir(a), **engine_kwargs(a))
+    llm = LLM(_checkpoint(a) or _demo(), **engine_kwargs(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
                             seed=a.seed)
     t0 = time.perf_counter()
@@ -93,14 +96,14 @@ def _serve(a: argparse.Namespace) -> None:
     from .launch import bind, serve
 
     _check_device(a)
-    path = model_dir(a)
+    path = _checkpoint(a)
     try:
-        sock = bind(a.host, a.port)  # before the model loads: a port in use fails at once
+        sock = bind(a.host, a.port)  # before the model loads (or the demo is written): a port in use fails at once
     except OSError as e:
         raise _Usage(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with sock:
-        serve(path, sock, engine_args=engine_kwargs(a), served_model_name=a.served_model_name,
+        serve(path or _demo(), sock, engine_args=engine_kwargs(a), served_model_name=a.served_model_name,
               log_level=a.uvicorn_log_level, api_key=a.api_key or os.environ.get("VLLM_API_KEY") or None,
               trust_request_chat_template=a.trust_request_chat_template, reasoning_parser=a.reasoning_parser,
               max_request_body_bytes=a.max_request_body_bytes)
