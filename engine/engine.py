@@ -155,9 +155,7 @@ class Engine:
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         params = (params or SamplingParams()).with_defaults(self.cfg.sampling_defaults)
-        params.validate(self.cfg.vocab_size)
-        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs ({self.args.max_logprobs}), got {params.logprobs}")
+        params.validate(self.cfg.vocab_size, self.args.max_logprobs)  # what depends on the model and engine
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")

@@ -90,7 +90,9 @@ class Tokenizer:
     # --- ids <-> text -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it): a long text tokenized in a worker
+        # thread then leaves the server's event loop running.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Ids without a token (the embedding's padding rows) decode to nothing.

@@ -1,25 +1,35 @@
-"""The OpenAI-compatible Starlette app: routes, auth, request ids, cancellation, error mapping."""
+"""The OpenAI-compatible Starlette app: routes, auth, request ids, the body size limit,
+cancellation, error mapping.
+
+Handlers only move bytes and events: each request's CPU work (parsing, the chat template,
+tokenization) runs in a worker thread (prompts.py), so the event loop keeps every stream and
+/health going whatever one request sends.
+"""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import logging
 import secrets
 import time
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import engine_io, serving
-from .errors import APIError, bad_request
+from . import engine_io, prompts, serving
+from .errors import APIError
 from .metrics import Metrics
-from .protocol import GenRequest, chat_request, check_model, completion_request, field_, parse_json
-from .reasoning import prompt_opens_thinking
 
 VERSION = "0.1.0"
+MAX_REQUEST_BODY_BYTES = 8 << 20  # JSON this big still parses in about 0.1 s
 _OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}  # no API key needed (orchestration, scraping)
+
+log = logging.getLogger("qwen35.server")
 
 
 @dataclass
@@ -29,14 +39,16 @@ class ServerContext:
     model_root: str               # /v1/models root: where a client loads the tokenizer from
     api_key: str | None = None
     metrics: Metrics = None
+    trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None  # None: no reasoning split (all output is content)
+    max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES
 
     def __post_init__(self):
         self.jobs: set = set()    # serving.Job of every request in flight (for shutdown)
         self.metrics = self.metrics or Metrics(self.model_name)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.max_num_seqs = self.engine.args.max_num_seqs
-        self.vocab_size = self.engine.cfg.vocab_size
+        self.limits = engine_io.limits(self.engine)
+        self.tokenizer = engine_io.tokenizer(self.engine)
+        self.chars_per_token = prompts.chars_per_token(self.tokenizer)
 
 
 # --- middleware (pure ASGI: a BaseHTTPMiddleware would hide http.disconnect from the handlers) ---
@@ -44,18 +56,26 @@ class ServerContext:
 
 class AuthAndRequestId:
     def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+        self.app = app
+        self.key_digest = hashlib.sha256(b"Bearer " + api_key.encode()).digest() if api_key else None
+
+    def authorized(self, authorization: bytes) -> bool:
+        # Digests compared in constant time: neither the key's bytes nor its length leak by timing.
+        return hmac.compare_digest(hashlib.sha256(authorization).digest(), self.key_digest)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id")
-        if self.api_key and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
-            if headers.get(b"authorization", b"") != b"Bearer " + self.api_key.encode():
+        if self.key_digest and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
+            if not self.authorized(headers.get(b"authorization", b"")):
                 err = APIError(401, "Unauthorized: missing or wrong API key (Authorization: Bearer <key>)")
                 return await err.response()(scope, receive, _echo_id(send, rid))
-        await self.app(scope, receive, _echo_id(send, rid))
+        try:
+            await self.app(scope, receive, _echo_id(send, rid))
+        except Exception:  # noqa: BLE001 - Starlette re-raises after its 500, which _internal_error logged
+            pass
 
 
 def _echo_id(send, rid: bytes | None):
@@ -77,19 +97,18 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-async def _cancellable(request: Request, coro):
-    """Runs coro; a client disconnect cancels it (its finally aborts the engine requests)."""
+async def _unless_disconnected(receive, coro) -> asyncio.Future | None:
+    """Runs coro until it ends or the client goes away, which cancels it (its finally aborts the
+    engine requests). Returns the finished task, or None after a disconnect."""
     work = asyncio.ensure_future(coro)
-    listener = asyncio.ensure_future(_until_disconnect(request.receive))
+    listener = asyncio.ensure_future(_until_disconnect(receive))
     try:
         await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         listener.cancel()
         work.cancel()  # no-op when done
-        await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
-        return Response(status_code=499)  # nobody is listening any more
-    return work.result()
+        await asyncio.gather(work, listener, return_exceptions=True)
+    return None if work.cancelled() else work
 
 
 class EventStream:
@@ -108,86 +127,70 @@ class EventStream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        work = asyncio.ensure_future(body())
-        listener = asyncio.ensure_future(_until_disconnect(receive))
         try:
-            await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+            await _unless_disconnected(receive, body())
         finally:
-            listener.cancel()
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
             await self.gen.aclose()
 
 
 # --- handlers ---
 
 
-async def _body(request: Request) -> dict:
-    return parse_json(await request.body())
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body; past `limit` bytes a 413, without reading the rest."""
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"The request body has {size} bytes; the limit is {limit} (--max-request-body-bytes).")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"more than {limit}")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the request") from None
+    return b"".join(chunks)
 
 
-def _truncate(g: GenRequest, ids: list[int]) -> list[int]:
-    return ids[-g.truncate_prompt_tokens:] if g.truncate_prompt_tokens else ids
+async def _prepare(request: Request, ctx: ServerContext, work):
+    """Reads the body, then runs work(ctx, body) in a worker thread (prompts.py)."""
+    return await asyncio.to_thread(work, ctx, await _body(request, ctx.max_request_body_bytes))
 
 
 async def _respond(request: Request, ctx: ServerContext, job: serving.Job, thinking, as_json, as_stream):
-    serving.submit(ctx, job, thinking)  # admission (503 on a full queue) before any header
+    await serving.submit(ctx, job, thinking)  # admission (503 on a full queue) before any header
     if job.g.stream:
         return EventStream(as_stream(ctx, job))
     try:
-        return JSONResponse(await _cancellable(request, as_json(ctx, job)))
+        work = await _unless_disconnected(request.receive, as_json(ctx, job))
     finally:
         serving.abort_all(ctx, job)
+    return Response(status_code=499) if work is None else JSONResponse(work.result())  # 499: nobody listens
 
 
 async def completions(request: Request):
     ctx: ServerContext = request.app.state.ctx
-    body = await _body(request)
-    check_model(body, ctx.model_name)
-    g, prompts = completion_request(body, vocab_size=ctx.vocab_size,
-                                    max_model_len=ctx.max_model_len, max_n=ctx.max_num_seqs)
-    tok = ctx.tokenizer
-    ids = [_truncate(g, tok.encode(p) if isinstance(p, str) else list(p)) for p in prompts]
-    texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if g.echo else []
+    g, ids, texts = await _prepare(request, ctx, prompts.completion)
     job = serving.Job("cmpl-" + secrets.token_hex(16), g, ids, texts)
     return await _respond(request, ctx, job, None, serving.completion_json, serving.completion_stream)
 
 
-def render_chat(ctx: ServerContext, messages: list[dict], opts: dict) -> str:
-    tok = ctx.tokenizer
-    if opts.get("chat_template"):
-        tok = type(tok)(tok.backend, chat_template=opts["chat_template"], bos_token=tok.bos_token,
-                        eos_token=tok.eos_token, pad_token=tok.pad_token, source="request chat_template")
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=opts["add_generation_prompt"],
-                                       tools=opts.get("tools"), **opts["kwargs"])
-    except Exception as e:  # noqa: BLE001 - template errors come from the request's messages
-        raise bad_request(f"could not render the chat template: {e}", "messages") from None
-    if opts.get("continue_final_message"):
-        # Cut the rendered turn right after the last message's content, so the model continues it.
-        last = (messages[-1].get("content") or "").strip()
-        at = text.rfind(last) if last else -1
-        if at >= 0:
-            text = text[:at + len(last)]
-    return text
-
-
 async def chat_completions(request: Request):
     ctx: ServerContext = request.app.state.ctx
-    body = await _body(request)
-    check_model(body, ctx.model_name)
-    g, messages, opts = chat_request(body, vocab_size=ctx.vocab_size,
-                                     max_model_len=ctx.max_model_len, max_n=ctx.max_num_seqs)
-    text = render_chat(ctx, messages, opts)
-    ids = _truncate(g, ctx.tokenizer.encode(text))
+    g, ids, opens_thinking = await _prepare(request, ctx, prompts.chat)
     job = serving.Job("chatcmpl-" + secrets.token_hex(16), g, [ids], [])
-    return await _respond(request, ctx, job, prompt_opens_thinking(text), serving.chat_json, serving.chat_stream)
+    thinking = opens_thinking if ctx.reasoning_parser else None
+    return await _respond(request, ctx, job, thinking, serving.chat_json, serving.chat_stream)
 
 
 async def models(request: Request):
     ctx: ServerContext = request.app.state.ctx
     card = {"id": ctx.model_name, "object": "model", "created": request.app.state.started, "owned_by": "vllm",
-            "root": ctx.model_root, "parent": None, "max_model_len": ctx.max_model_len, "permission": []}
+            "root": ctx.model_root, "parent": None, "max_model_len": ctx.limits.max_model_len, "permission": []}
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -207,30 +210,14 @@ async def version(request: Request):
 
 async def tokenize(request: Request):
     ctx: ServerContext = request.app.state.ctx
-    body = await _body(request)
-    check_model(body, ctx.model_name)
-    if "messages" in body:
-        _, messages, opts = chat_request(dict(body, stream=False), vocab_size=ctx.vocab_size,
-                                         max_model_len=ctx.max_model_len, max_n=ctx.max_num_seqs)
-        text = render_chat(ctx, messages, opts)
-    else:
-        text = field_(body, "prompt", str)
-        if text is None:
-            raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
-    ids = ctx.tokenizer.encode(text, add_special_tokens=field_(body, "add_special_tokens", bool, default=True))
-    strs = ctx.tokenizer.convert_ids_to_tokens(ids) if field_(body, "return_token_strs", bool, default=False) else None
-    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs})
+    ids, strs = await _prepare(request, ctx, prompts.tokenize)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids,
+                         "token_strs": strs})
 
 
 async def detokenize(request: Request):
     ctx: ServerContext = request.app.state.ctx
-    body = await _body(request)
-    check_model(body, ctx.model_name)
-    ids = field_(body, "tokens", list)
-    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < ctx.vocab_size
-                              for i in ids):
-        raise bad_request(f"'tokens' must be a list of token ids in [0, {ctx.vocab_size})", "tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(ids)})
+    return JSONResponse({"prompt": await _prepare(request, ctx, prompts.detokenize)})
 
 
 async def _api_error(request: Request, exc: APIError):
@@ -243,7 +230,10 @@ async def _http_error(request: Request, exc: HTTPException):
 
 
 async def _internal_error(request: Request, exc: Exception):
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    # The details stay in the log, under an id the client sees.
+    ref = request.headers.get("x-request-id") or secrets.token_hex(8)
+    log.error("internal error on %s %s (request id %s)", request.method, request.url.path, ref, exc_info=exc)
+    return APIError(500, f"Internal server error (request id {ref}).").response()
 
 
 def build_app(ctx: ServerContext):

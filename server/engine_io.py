@@ -1,6 +1,8 @@
-"""The server's only contact with the engine: submit, abort, liveness and stats, with engine
-exceptions mapped to HTTP errors (raised before any response header)."""
+"""The server's only contact with the engine: its limits and tokenizer, submit, abort, liveness
+and stats, with engine exceptions mapped to HTTP errors (raised before any response header)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from engine.engine import EngineDeadError, OverloadedError
 from engine.sampling_params import SamplingParams
@@ -10,16 +12,45 @@ from .errors import APIError
 RETRY_AFTER_S = "1"
 
 
-def add(engine, request_id: str, prompt_ids: list[int], params: dict):
+@dataclass(frozen=True)
+class EngineLimits:
+    """What request validation needs to know about the engine."""
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int            # running requests; also the cap on n
+    max_waiting_requests: int    # submitted, not yet running
+    max_logprobs: int
+
+
+def limits(engine) -> EngineLimits:
+    a = engine.args
+    return EngineLimits(engine.cfg.vocab_size, engine.max_model_len, a.max_num_seqs, a.max_waiting_requests,
+                        a.max_logprobs)
+
+
+def tokenizer(engine):
+    return engine.tokenizer
+
+
+def queue_room(engine) -> int:
+    """Requests that can still be submitted before the waiting queue is full."""
+    return engine.args.max_waiting_requests - engine.stats().waiting
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(503, message, headers={"Retry-After": RETRY_AFTER_S})
+
+
+def add(engine, request_id: str, prompt_ids: list[int], params: SamplingParams):
     """Validates and queues one engine request; returns its async iterator of RequestOutput."""
     try:
-        return engine.add_request(prompt_ids, SamplingParams(**params), request_id=request_id)
+        return engine.add_request(prompt_ids, params, request_id=request_id)
     except OverloadedError as e:
-        raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
+        raise overloaded(str(e)) from None
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
     except ValueError as e:  # bad parameters, or a request that can never fit (AdmissionError)
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), getattr(e, "param", None)) from None
 
 
 def abort(engine, request_id: str) -> None:
@@ -41,8 +72,7 @@ def gauges(engine) -> dict[str, tuple[str, float]]:
         "qwen35:kv_blocks_total": ("KV cache blocks usable by requests.", s.kv_blocks_total),
         "qwen35:state_slots_free": ("Free GDN state slots.", s.state_slots_free),
         "qwen35:state_slots_total": ("GDN state slots usable by requests.", s.state_slots_total),
-        "qwen35:device_memory_used_bytes": ("Device memory held by live arrays (0 on the CPU backend).",
-                                            s.device_memory_used),
+        "qwen35:device_memory_used_bytes": ("Memory held by the backend's live arrays.", s.device_memory_used),
     }
 
 

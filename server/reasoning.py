@@ -3,9 +3,13 @@
 Qwen3.5's generation prompt already opens the block (`<think>\\n`) when thinking is on, so the
 output starts inside the reasoning and contains only the closing tag; a `<think>` the model
 writes itself opens a block too. A partial tag at the end of a delta is held back.
+
+As in vLLM, the split runs only when the server is started with `--reasoning-parser qwen3`;
+without it, the whole output is `content`.
 """
 from __future__ import annotations
 
+PARSERS = ("qwen3",)  # --reasoning-parser choices (vLLM's name for the Qwen3 family's parser)
 START, END = "<think>", "</think>"
 
 

@@ -7,13 +7,19 @@ disconnect, error) the finally clause aborts every engine request still running.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .choice import ChoiceState, Delta
 from .errors import APIError
 from .protocol import GenRequest
 from . import engine_io, sse
+
+log = logging.getLogger("qwen35.server")
+YIELD_EVERY_TOKENS = 1 << 16  # prompt tokens submitted between two turns of the event loop (~10 ms)
+# vLLM response fields this server has nothing for: null, as vLLM sends them
+_NULL_FIELDS = {"service_tier": None, "system_fingerprint": None, "kv_transfer_params": None}
 
 
 @dataclass(eq=False)  # hashed by identity (ServerContext.jobs)
@@ -41,19 +47,29 @@ class Job:
         return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
 
 
-def submit(ctx, job: Job, thinking: bool | None) -> None:
-    """Admit every engine request now (before any header), or none of them."""
-    g = job.g
+async def submit(ctx, job: Job, thinking: bool | None) -> None:
+    """Admit every engine request now (before any header), or none of them. thinking: None
+    without a reasoning parser, else whether the prompt opened a <think> block."""
+    g, checked = job.g, 0
+    need, room = len(job.prompts) * g.n, engine_io.queue_room(ctx.engine)
+    if need > room:  # checked whole, so that a big request never enqueues part of itself first
+        raise engine_io.overloaded(f"The request queue is full: room for {room} more requests, this one needs "
+                                   f"{need}.")
     ctx.jobs.add(job)
     try:
         for j, ids in enumerate(job.prompts):
             for i in range(g.n):
                 idx = j * g.n + i
-                params = dict(g.params, max_tokens=g.max_tokens, logprobs=g.logprobs)
-                if params.get("seed") is not None and g.n > 1:
-                    params["seed"] += i  # as vLLM's parallel sampling: distinct but reproducible samples
+                params = g.params
+                if params.seed is not None and g.n > 1:
+                    # as vLLM's parallel sampling: distinct but reproducible samples
+                    params = replace(params, seed=params.seed + i)
                 job.choices.append(ChoiceState(idx, ctx.tokenizer, thinking))
                 job.streams.append(engine_io.add(ctx.engine, f"{job.rid}-{idx}", ids, params))
+                checked += len(ids)
+                if checked >= YIELD_EVERY_TOKENS:  # the engine checks every prompt id on this thread
+                    checked = 0
+                    await asyncio.sleep(0)  # let the loop serve the others between the parts of a big request
     except BaseException:
         abort_all(ctx, job)
         raise
@@ -104,7 +120,8 @@ async def steps(ctx, job: Job):
                 continue
             if out.finish_reason == "error":
                 c.finished = True
-                raise APIError(500, f"engine error: {out.error}")
+                log.error("request %s-%d failed in the engine: %s", job.rid, c.index, out.error)
+                raise APIError(500, f"internal error in the engine (request {job.rid})")
             if not out.new_token_ids and not out.new_text and not out.finished:
                 continue  # chunked prefill step: nothing to send
             d = c.update(out)
@@ -160,10 +177,10 @@ async def completion_json(ctx, job: Job) -> dict:
         if d.finish_reason is not None:
             ends[c.index] = (d.finish_reason, d.stop_reason)
     choices = [{"index": i, "text": texts[i], "logprobs": lps.get(i) if job.g.logprobs is not None else None,
-                "finish_reason": ends.get(i, ("abort", None))[0], "stop_reason": ends.get(i, (None, None))[1]}
-               for i in sorted(texts)]
+                "finish_reason": ends.get(i, ("abort", None))[0], "stop_reason": ends.get(i, (None, None))[1],
+                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None} for i in sorted(texts)]
     return {"id": job.rid, "object": "text_completion", "created": job.created, "model": ctx.model_name,
-            "choices": choices, "usage": job.usage()}
+            "choices": choices, "usage": job.usage(), **_NULL_FIELDS}
 
 
 def completion_stream(ctx, job: Job):
@@ -212,12 +229,23 @@ async def chat_json(ctx, job: Job) -> dict:
             a["logprobs"] += _chat_logprobs(c, d, job.g.tokens_as_ids)
         if d.finish_reason is not None:
             a["end"] = (d.finish_reason, d.stop_reason)
-    choices = [{"index": i, "message": {"role": "assistant", "content": a["content"],
-                                        "reasoning_content": a["reasoning"] or None, "tool_calls": []},
+    choices = [{"index": i, "message": _message(a["content"], a["reasoning"] or None),
                 "logprobs": {"content": a["logprobs"]} if job.g.logprobs is not None else None,
-                "finish_reason": a["end"][0], "stop_reason": a["end"][1]} for i, a in sorted(acc.items())]
+                "finish_reason": a["end"][0], "stop_reason": a["end"][1], "token_ids": None}
+               for i, a in sorted(acc.items())]
     return {"id": job.rid, "object": "chat.completion", "created": job.created, "model": ctx.model_name,
-            "choices": choices, "usage": job.usage()}
+            "choices": choices, "usage": job.usage(), **_NULL_FIELDS, "prompt_logprobs": None,
+            "prompt_token_ids": None}
+
+
+def _reasoning(text: str | None) -> dict:
+    # vLLM's `reasoning` (since PR 27752) and `reasoning_content`, the name it keeps for older clients
+    return {"reasoning": text, "reasoning_content": text}
+
+
+def _message(content: str, reasoning: str | None) -> dict:
+    return {"role": "assistant", "content": content, **_reasoning(reasoning), "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "tool_calls": []}
 
 
 def chat_stream(ctx, job: Job):
@@ -232,9 +260,7 @@ def chat_stream(ctx, job: Job):
                 role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}
                 yield dict(head, choices=[role])
-            delta = {}
-            if d.reasoning:
-                delta["reasoning_content"] = d.reasoning
+            delta = _reasoning(d.reasoning) if d.reasoning else {}
             if d.text or not d.reasoning:
                 delta["content"] = d.text
             choice = {"index": c.index, "delta": delta,
@@ -257,6 +283,7 @@ async def _sse(chunks, head: dict, job: Job):
             yield sse.event(dict(head, choices=[], usage=job.usage()))
     except APIError as e:
         yield sse.event({"error": e.body()["error"]})
-    except Exception as e:  # noqa: BLE001 - headers are sent: report in band
-        yield sse.event(APIError(500, f"internal error: {e}").body())
+    except Exception:  # noqa: BLE001 - headers are sent: report in band, the details only in the log
+        log.exception("request %s failed while streaming", job.rid)
+        yield sse.event(APIError(500, f"internal error (request {job.rid})").body())
     yield sse.DONE

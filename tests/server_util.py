@@ -22,12 +22,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m engine.cli serve` on 127.0.0.1; the context exits with SIGINT and checks a clean exit."""
+    """`python -m server.cli serve` on 127.0.0.1; the context exits with SIGINT and checks a clean exit."""
 
-    def __init__(self, model_dir, *args: str, name: str = "tiny", device: str = "cpu", ready_timeout: float = 300):
+    def __init__(self, model_dir, *args: str, name: str = "tiny", device: str = "cpu", ready_timeout: float = 300,
+                 env: dict | None = None):
         self.port = free_port()
+        self.env = env or {}
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "engine.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+        self.cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--host", "127.0.0.1",
                     "--port", str(self.port), "--device", device, "--served-model-name", name,
                     "--uvicorn-log-level", "warning", *args]
         self.ready_timeout = ready_timeout
@@ -35,7 +37,8 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         # keep the caller's PYTHONPATH (e.g. wheels installed into a side folder on the GPU machine)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, **self.env,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:

@@ -200,7 +200,7 @@ def test_batch_invariant_flag_and_budget_check(tiny_dir):
     is refused with the numbers."""
     import argparse
 
-    from engine.cli import _add_engine_args, engine_kwargs
+    from server.cli import _add_engine_args, engine_kwargs
     ap = argparse.ArgumentParser()
     _add_engine_args(ap)
     assert engine_kwargs(ap.parse_args(["--batch-invariant"]))["batch_invariant"] is True

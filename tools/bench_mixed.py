@@ -28,7 +28,7 @@ Chunked prefill on/off is a server setting; run the tool once per server, with a
 
 (16400 tokens per step hold a 16384-token prompt plus the 8 decodes, so no prefill is chunked.) The
 negative control serves with --max-num-seqs 8 (= --background): every cell must come out invalid.
---launch MODEL_DIR starts `python -m engine.cli serve MODEL_DIR --trace-steps ...` itself on a free
+--launch MODEL_DIR starts `python -m server.cli serve MODEL_DIR --trace-steps ...` itself on a free
 local port with --server-args, runs the cells and stops it. --from-json A.json [B.json ...] renders
 one table from saved results (e.g. chunked next to unchunked).
 """
@@ -210,7 +210,7 @@ def launched(model_dir: str, server_args: str, trace: str, log_path: Path, timeo
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--trace-steps", trace, "--uvicorn-log-level", "warning", *shlex.split(server_args)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_path, "wb") as log:
@@ -293,6 +293,7 @@ def main(argv=None) -> list[dict]:
         print(markdown(cells))
         return cells
     if a.launch:
+        a.tokenizer = a.tokenizer or a.launch  # the server's /v1/models root is no path without a served name
         a.trace = str((out / f"steps-{a.label}.jsonl").resolve())
         Path(a.trace).unlink(missing_ok=True)
         with launched(a.launch, a.server_args, a.trace, out / f"server-{a.label}.log", a.ready_timeout) as url:
