@@ -33,7 +33,10 @@ from ..config import cache_root
 
 log = logging.getLogger("qwen35.kernels")
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+# the sources: engine/gpu/cuda/ in an installed wheel (pyproject.toml ships cuda/ there as package
+# data), else the source tree's cuda/ (a checkout, an editable install)
+_WHEEL_CUDA_DIR = Path(__file__).resolve().parent / "cuda"
+CUDA_DIR = _WHEEL_CUDA_DIR if _WHEEL_CUDA_DIR.is_dir() else Path(__file__).resolve().parents[2] / "cuda"
 OPTIONS = ("-std=c++17",)
 
 GDN_DK = (32, 64, 128)
