@@ -159,7 +159,9 @@ def _assert_cubins_complete(image: str) -> None:
     check = ("from engine.gpu import kernels; "
              "done = [kernels.build(*p, '90', [kernels.cache_dir()]) for p in kernels.every_program()]; "
              "print(len(done), sum(c for _, _, c in done), kernels.cache_dir())")
-    out = docker("run", "--rm", "--network=none", "--read-only", "--entrypoint", "python3", image, "-c", check)
+    # --tmpfs /tmp: CuPy creates its kernel cache directory (CUPY_CACHE_DIR) when it is imported
+    out = docker("run", "--rm", "--network=none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python3", image,
+                 "-c", check)
     n, compiled, where = out.stdout.split()
     assert int(n) > 0 and compiled == "0" and where == "/opt/qwen35/kernels", out.stdout
 
