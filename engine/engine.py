@@ -57,7 +57,7 @@ class EngineStats:
     prompt_tokens: int = 0                    # prefill tokens computed
     generation_tokens: int = 0
     finished: dict = field(default_factory=dict)  # finish_reason -> count
-    device_memory_used: int = 0               # bytes the backend holds in live arrays (0 on the CPU)
+    device_memory_used: int = 0               # bytes the backend holds in live arrays
 
 
 class RequestStream:
