@@ -4,6 +4,7 @@ import random
 import pytest
 
 from engine.kv_blocks import KVBlockManager, chain_hashes
+from engine.state_snapshots import SnapshotPool, default_num_snapshots
 
 BS = 16
 
@@ -82,3 +83,35 @@ def test_kv_blocks_share_keep_cached_and_evict_lru():
         kv.allocate(9)
     with pytest.raises(AssertionError, match="twice"):
         kv.free(a[:1])
+
+
+def test_snapshot_pool_ids_pins_lru():
+    p = SnapshotPool(first_id=5, count=3)
+    assert list(p.ids) == [5, 6, 7] and p.num_free == 3
+    ids = [p.reserve() for _ in range(3)]
+    assert sorted(ids) == [5, 6, 7] and p.reserve() is None and p.num_used == 3
+    assert p.lookup(b"a") is None                     # reserved: invisible
+    for sid, k in zip(ids, (b"a", b"b", b"c")):
+        assert p.publish(sid, k)
+    assert p.num_free == 3 and p.num_used == 0 and p.lookup(b"b") == ids[1]
+    p.pin(ids[0])                                     # a: pinned, never evicted
+    p.pin(ids[0])
+    p.unpin(ids[0])
+    r = p.reserve()                                   # evicts the LRU unpinned: b
+    assert r == ids[1] and p.lookup(b"b") is None and p.lookup(b"a") == ids[0]
+    assert not p.publish(r, b"c")                     # c is already there: r is freed
+    p.demote(ids[2], b"c")
+    assert p.reserve() == ids[1] and p.reserve() == ids[2] and p.reserve() is None  # free first, then demoted c
+    p.discard(ids[1])
+    p.discard(ids[2])
+    p.unpin(ids[0])
+    assert p.num_free == 3 and p.num_used == 0 and p.num_cached == 1
+    with pytest.raises(ValueError):
+        SnapshotPool(0, 4)                            # id 0 is the dummy slot
+
+
+def test_default_pool_size():
+    mib = 1 << 20
+    assert default_num_snapshots(32, 49 * mib, 100 << 30) == 128
+    assert default_num_snapshots(32, 147 * mib, 10 << 30) == 34      # half of what is left
+    assert default_num_snapshots(32, 49 * mib, 0) == 0
