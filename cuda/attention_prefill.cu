@@ -311,8 +311,12 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     }
 }
 
+// Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
+// by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
+#ifndef __CUDACC_RTC__
 #define PF_INST(HD)                                                                                         \
     template __global__ void attn_prefill<HD>(const bf16_t*, const bf16_t*, long long, long long,          \
                                               const bf16_t*, const bf16_t*, const int*, int, const int*,  \
                                               const int*, int, int, int, float, bf16_t*);
 PF_INST(64) PF_INST(128) PF_INST(256)
+#endif

@@ -60,12 +60,16 @@ __global__ void __launch_bounds__(128) conv1d_fwd(
             for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
     }
 }
+// Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
+// by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
+#ifndef __CUDACC_RTC__
 template __global__ void conv1d_fwd<2>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
                                        const int*, const int*, int, int, int);
 template __global__ void conv1d_fwd<3>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
                                        const int*, const int*, int, int, int);
 template __global__ void conv1d_fwd<4>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
                                        const int*, const int*, int, int, int);
+#endif
 
 // New state = the last K-1 rows of concat(old state, x_seq). Each thread owns one (sequence, channel)
 // and reads everything before writing, so the update is in place without races.

@@ -93,12 +93,16 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
     for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
 }
 
+// Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
+// by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
+#ifndef __CUDACC_RTC__
 template __global__ void gdn_recurrent<32>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
                                            const float*, const float*, float*, const int*, const int*, bf16_t*, int, int, int);
 template __global__ void gdn_recurrent<64>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
                                            const float*, const float*, float*, const int*, const int*, bf16_t*, int, int, int);
 template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
                                             const float*, const float*, float*, const int*, const int*, bf16_t*, int, int, int);
+#endif
 
 // ---- Chunked (WY/UT) form for prefill (spec §4.7), two kernels ----------------------------------
 // Chunks of 64 tokens per sequence. gdn_chunk_prep is parallel over (chunk, head, sequence): it builds
@@ -433,6 +437,9 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     }
 }
 
+// Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
+// by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
+#ifndef __CUDACC_RTC__
 #define GDN_CHUNK_INST(DK)                                                                                   \
     template __global__ void gdn_chunk_prep<DK>(const bf16_t*, long long, const bf16_t*, long long,             \
                                                 const bf16_t*, long long, const float*, const float*, const int*, \
@@ -443,3 +450,4 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
 GDN_CHUNK_INST(32)
 GDN_CHUNK_INST(64)
 GDN_CHUNK_INST(128)
+#endif

@@ -1,6 +1,6 @@
 """qwen35: a small serving engine for the dense Qwen3.5 models."""
 # Lazy exports keep `import engine` cheap (no tokenizer or model code until used).
-_EXPORTS = {"LLM": "llm", "SamplingParams": "sampling_params", "Engine": "engine", "EngineArgs": "engine"}
+_EXPORTS = {"LLM": "llm", "SamplingParams": "sampling_params", "Engine": "engine", "EngineArgs": "config"}
 
 
 def __getattr__(name):

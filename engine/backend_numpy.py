@@ -1,8 +1,8 @@
 """NumPy float32 backend: the reference every CUDA kernel is tested against, and the CPU engine.
 
 Each op is the plain math of the spec (§3-§7), written for clarity. The GPU backend
-(`backend_cuda.py`) implements the same methods with the same arguments. Ops infer head
-counts from array shapes, so they need no model config. The module-level helpers are the
+(`gpu/backend.py`) implements the same methods with the same arguments (the interface: ops.py).
+Ops infer head counts from array shapes, so they need no model config. The module-level helpers are the
 places the classic bugs of spec §13 live; the parity tests patch them to prove the gate bites.
 """
 from __future__ import annotations
@@ -12,9 +12,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .arrays import bf16_to_f32
+from .config import GDN_CHUNK
+from .ops import Cache
 from .step import Step
 
-CHUNK = 64  # chunked delta rule tile (spec §4.7)
+CPU_CACHE_BUDGET = 512 << 20  # bytes for state slots + KV: host memory is plentiful, tests want it small
 
 
 def silu(x):
@@ -75,7 +78,7 @@ def delta_rule_recurrent(q, k, v, g, beta, S):
     return o, S
 
 
-def delta_rule_chunked(q, k, v, g, beta, S, chunk=CHUNK):
+def delta_rule_chunked(q, k, v, g, beta, S, chunk=GDN_CHUNK):
     """WY/UT chunked form (spec §4.7), equal to the recurrence up to f32 rounding."""
     T = q.shape[0]
     pad = (-T) % chunk
@@ -114,16 +117,6 @@ def argmax_finite(x) -> np.ndarray:
 
 
 @dataclass
-class Cache:
-    """Per-sequence state of every layer: GDN conv and recurrent state by slot, paged KV."""
-    conv: list[np.ndarray]  # per GDN layer [slots, K-1, conv_dim]
-    rec: list[np.ndarray]   # per GDN layer [slots, nv, dk, dv], f32
-    k: list[np.ndarray]     # per attention layer [blocks, block_size, nkv, hd]
-    v: list[np.ndarray]
-    block_size: int
-
-
-@dataclass
 class Meta:
     step: Step
     slot_mapping: np.ndarray  # [T] flat KV row (block * block_size + offset) of each new token
@@ -131,12 +124,18 @@ class Meta:
 
 class NumpyBackend:
     name = "numpy"
+    decode_graphs = False
+    needs_warm_up = False
+    batch_invariant = False  # NumPy's matmul may sum in an order that depends on M
 
     # ---- weights and state -------------------------------------------------------------
-    def weight(self, arr: np.ndarray) -> np.ndarray:
-        """Checkpoint array (bf16 bits as uint16, or f32) -> compute array (f32 here)."""
+    def weight(self, arr) -> np.ndarray:
+        """Checkpoint array (bf16 bits as uint16, or f32), or a list of them to concatenate (rows)
+        -> compute array (f32 here)."""
+        if isinstance(arr, list):
+            arr = np.concatenate(arr)
         if arr.dtype == np.uint16:
-            return (arr.astype(np.uint32) << 16).view(np.float32)
+            return bf16_to_f32(arr)
         return np.ascontiguousarray(arr, np.float32)
 
     def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
@@ -152,6 +151,12 @@ class NumpyBackend:
     def reset_slots(self, cache: Cache, slots) -> None:
         for a in cache.conv + cache.rec:
             a[list(slots)] = 0.0
+
+    def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
+        return CPU_CACHE_BUDGET
+
+    def load_kernels(self, cfg) -> None:
+        pass  # nothing to compile
 
     def prepare(self, step: Step, cache: Cache) -> Meta:
         bs = cache.block_size

@@ -1,4 +1,4 @@
-"""Model configuration: the text decoder of a Qwen3.5 dense checkpoint.
+"""Configuration: the model's (the text decoder of a Qwen3.5 dense checkpoint) and the engine's.
 
 Reads both published `config.json` layouts (the multimodal wrapper with values under
 `text_config`, and the text-only one) and `generation_config.json`. Anything we do not
@@ -7,10 +7,17 @@ implement fails here, at load, with a message that names it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 LINEAR, FULL = "linear_attention", "full_attention"
+GDN_CHUNK = 64  # tokens per chunk of the GDN's chunked (WY) prefill form (spec §4.7)
+
+
+def cache_root() -> Path:
+    """Where qwen35 keeps what it builds (the demo checkpoint, compiled kernels): $QWEN35_CACHE."""
+    return Path(os.environ.get("QWEN35_CACHE", Path.home() / ".cache" / "qwen35"))
 
 
 class ConfigError(ValueError):
@@ -155,3 +162,22 @@ class ModelConfig:
             eos_token_ids=eos_ids, pad_token_id=gen.get("pad_token_id", text.get("pad_token_id", raw.get("pad_token_id"))),
             sampling_defaults=defaults,
         )
+
+
+@dataclass
+class EngineArgs:
+    """The engine's settings (vLLM's names); the CLI flags map onto these."""
+    max_model_len: int | None = None          # default min(model window, 8192)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 1024          # submitted, not yet admitted: beyond this, 503
+    num_kv_blocks: int | None = None          # default: from the memory budget
+    kv_cache_memory: int | None = None        # bytes for state slots + KV (cpu default 512 MiB)
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16                      # see kv_blocks.py
+    device: str = "auto"                      # "cpu" | "cuda" | "auto"
+    max_logprobs: int = 20                    # the most top logprobs a request may ask for
+    seed: int = 0                             # for requests without a seed
+    enforce_eager: bool = False               # CUDA: no decode-step graphs
+    batch_invariant: bool = False             # CUDA: a request's tokens independent of its batch (slower prefill)
+    trace_steps: str | None = None            # JSONL path: one line per step (kind, sizes, timings)

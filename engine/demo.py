@@ -1,16 +1,12 @@
 """The built-in demo checkpoint: the random `tiny` model, built once into a cache folder."""
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from .checkpoint import make_model
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("QWEN35_CACHE", Path.home() / ".cache" / "qwen35"))
+from .config import cache_root
 
 
 def demo_model_dir() -> Path:

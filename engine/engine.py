@@ -2,12 +2,13 @@
 
 The outside talks to it only through `submit`/`add_request` (validated in the caller's thread,
 so a server can answer 400/503 before sending headers), `abort`, and per-request event sinks.
+Each step is schedule (scheduler.py) -> run (runner.py: launch the forward) -> postprocess (the
+previous step's tokens: detokenize, stop, finish), with the device one step ahead of the host.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -18,43 +19,27 @@ from typing import Callable
 
 import numpy as np
 
-from .backend_numpy import CHUNK as GDN_CHUNK
-from .config import ModelConfig
+from .config import GDN_CHUNK, EngineArgs, ModelConfig
 from .kv_blocks import DUMMY_BLOCK, KVBlockManager
+from .memory import plan_cache
 from .model import Qwen35Model
-from .request import Request, RequestOutput, Status, StopStringBuffer, TokenLogprob
-from .runner import ModelRunner
+from .ops import make_backend
+from .request import Request, RequestOutput, Status, StopStringBuffer
+from .runner import ForwardInFlight, ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import AdmissionError, OverloadedError, Scheduler
 from .state_slots import DUMMY_SLOT, StateSlotPool
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .trace import StepTrace
 from .weights import load_weights
 
 log = logging.getLogger("qwen35.engine")
-__all__ = ["Engine", "EngineArgs", "RequestStream", "EngineDeadError", "AdmissionError", "OverloadedError"]
+__all__ = ["Engine", "RequestStream", "EngineDeadError", "AdmissionError", "OverloadedError"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop died; nothing more will be served (/health = 503)."""
-
-
-@dataclass
-class EngineArgs:
-    max_model_len: int | None = None          # default min(model window, 8192)
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_waiting_requests: int = 1024
-    num_kv_blocks: int | None = None          # default: from the memory budget
-    kv_cache_memory: int | None = None        # bytes for state slots + KV (cpu default 512 MiB)
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16                      # see kv_blocks.py
-    device: str = "auto"                      # "cpu" | "cuda" | "auto"
-    max_logprobs: int = 20
-    seed: int = 0                             # for requests without a seed
-    enforce_eager: bool = False               # CUDA: no decode-step graphs
-    batch_invariant: bool = False             # CUDA: a request's tokens independent of its batch (slower prefill)
-    trace_steps: str | None = None            # JSONL path: one line per step (kind, sizes, timings)
 
 
 @dataclass
@@ -73,42 +58,6 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict = field(default_factory=dict)  # finish_reason -> count
     device_memory_used: int = 0               # bytes the backend holds in live arrays (0 on the CPU)
-
-
-def make_backend(device: str, batch_invariant: bool = False):
-    if device in ("cuda", "auto"):
-        try:  # hook: the CUDA backend has the same op interface
-            from .backend_cuda import CudaBackend
-            return CudaBackend(batch_invariant=batch_invariant)
-        except Exception:
-            if device == "cuda":
-                raise
-    if device not in ("cpu", "auto"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    from .backend_numpy import NumpyBackend
-    return NumpyBackend()
-
-
-def _cache_bytes(model, block_size: int) -> tuple[int, int]:
-    """Bytes of one state slot and of one KV block, measured on a 1-slot, 1-block cache so the
-    backend's own dtypes count."""
-    probe = model.alloc_cache(1, 1, block_size)
-    return sum(x.nbytes for x in probe.conv + probe.rec), sum(x.nbytes for x in probe.k + probe.v)
-
-
-def _default_budget(backend, cfg: ModelConfig, a: EngineArgs) -> int:
-    """Bytes for slots + KV: 512 MiB on the CPU; on the GPU what gpu_memory_utilization leaves
-    after the weights (already loaded) and a rough reserve for one step's activations."""
-    if backend.name == "numpy":
-        return 512 << 20
-    import cupy
-    free, total = cupy.cuda.runtime.memGetInfo()
-    per_token = 4 * (4 * cfg.intermediate_size + 2 * cfg.conv_dim + 8 * cfg.hidden_size)
-    # + the chunked GDN prefill's f32 workspace (W, Qs, Ks, U, P, aux per token and value head)
-    per_token += 4 * cfg.lin_num_v_heads * (3 * cfg.lin_k_dim + cfg.lin_v_dim + 64 + 4)
-    activations = a.max_num_batched_tokens * per_token
-    logits = 8 * a.max_num_seqs * cfg.vocab_size
-    return int(free - (1 - a.gpu_memory_utilization) * total - activations - logits)
 
 
 class RequestStream:
@@ -143,10 +92,10 @@ class Engine:
         unknown = set(engine_args) - {f.name for f in fields(EngineArgs)}
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        t_start = time.perf_counter()
         a = self.args = EngineArgs(**engine_args)
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        backend = make_backend(a.device, a.batch_invariant)
         max_len = a.max_model_len or min(cfg.max_position_embeddings, 8192)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
@@ -154,34 +103,30 @@ class Engine:
         if a.max_num_batched_tokens < a.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({a.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({a.max_num_seqs}) so every running sequence can decode each step")
+        backend = make_backend(a.device, a.batch_invariant)
+        backend.load_kernels(cfg)  # compiles in the background while the weights load
         model = Qwen35Model(cfg, load_weights(model_dir, cfg), backend)
-        # state slots (one per sequence + the dummy) are reserved first; KV gets what is left
-        num_slots = a.max_num_seqs + 1
-        slot_bytes, block_bytes = _cache_bytes(model, a.block_size)
-        num_blocks = a.num_kv_blocks
-        if num_blocks is None:
-            budget = a.kv_cache_memory if a.kv_cache_memory is not None else _default_budget(backend, cfg, a)
-            useful = a.max_num_seqs * -(-max_len // a.block_size) + 1  # more could never be used at once
-            num_blocks = min((budget - num_slots * slot_bytes) // block_bytes, useful)
-        self.kv = KVBlockManager(int(num_blocks), a.block_size)
-        self.slots = StateSlotPool(num_slots)
+        t_weights = time.perf_counter()
+        plan = plan_cache(model, a, max_len)
+        self.kv = KVBlockManager(plan.num_blocks, a.block_size)
+        self.slots = StateSlotPool(plan.num_slots)
         self.scheduler = Scheduler(self.kv, self.slots, max_model_len=max_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens,
                                    max_waiting_requests=a.max_waiting_requests,
                                    # the GDN chunk: prompt chunks then keep the chunked form's boundaries
                                    chunk_align=GDN_CHUNK if a.batch_invariant else 1)
-        cache = model.alloc_cache(num_slots, self.kv.num_blocks, a.block_size)
-        gib = 1 / (1 << 30)
-        log.info("memory plan (%s): weights %.2f GiB; step activations for %d tokens; %d state slots x %.1f MiB "
-                 "= %.2f GiB; %d KV blocks x %d tokens = %.2f GiB", backend.name, model.weight_bytes() * gib,
-                 a.max_num_batched_tokens, num_slots, slot_bytes / (1 << 20), num_slots * slot_bytes * gib,
-                 self.kv.num_blocks, a.block_size, self.kv.num_blocks * block_bytes * gib)
-        graphs = None
-        if backend.name == "cuda" and not a.enforce_eager:
-            from .decode_graph import DecodeGraphs
-            graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
-                                  max_blocks_per_seq=-(-max_len // a.block_size), capture_now=True)
-        self.runner = ModelRunner(model, cache, Sampler(a.seed), graphs)
+        cache = model.alloc_cache(plan.num_slots, self.kv.num_blocks, a.block_size)
+        log.info(plan.describe(backend.name, model.weight_bytes(), a))
+        self.runner = ModelRunner(model, cache, Sampler(a.seed))
+        if backend.needs_warm_up:
+            self.runner.warm_up(min(a.max_num_batched_tokens, max_len))
+        if backend.decode_graphs and not a.enforce_eager:
+            from .gpu.decode_graph import DecodeGraphs
+            self.runner.graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT,
+                                              dummy_block=DUMMY_BLOCK, max_blocks_per_seq=-(-max_len // a.block_size),
+                                              capture_now=True)
+        log.info("engine ready in %.1f s (config, weights and cache %.1f s; kernels, warm-up and graphs %.1f s)",
+                 time.perf_counter() - t_start, t_weights - t_start, time.perf_counter() - t_weights)
         self.max_model_len = max_len
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -193,10 +138,10 @@ class Engine:
         self._ids = itertools.count()
         self.dead: BaseException | None = None
         self._stop = False
-        self._trace = open(a.trace_steps, "a", buffering=1) if a.trace_steps else None
+        self._trace = StepTrace(a.trace_steps, backend) if a.trace_steps else None
         self.runner.timing = self._trace is not None
         self._inflight = None                      # the sampling on the device, collected next step()
-        self._step_trace = None                    # the last launched step's trace line, written next step()
+        self._step_trace = None                    # (line, forward marks) of the last launched step
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
         if start:
@@ -228,9 +173,11 @@ class Engine:
                       generator=np.random.default_rng(params.seed) if params.seed is not None else None,
                       stop_buffer=StopStringBuffer(params.stop, params.include_stop_str_in_output))
         with self._lock:
-            if self._pending >= self.args.max_waiting_requests:
+            try:
+                self.scheduler.check_queue(self._pending)
+            except OverloadedError:
                 self._stats.num_overloaded += 1
-                raise OverloadedError(f"The request queue is full ({self.args.max_waiting_requests} waiting requests).")
+                raise
             self._pending += 1
         self._inbox.put(("add", req))
         return req.request_id
@@ -292,8 +239,8 @@ class Engine:
                 self._emit(req, RequestOutput(req.request_id, [], "", True, "error", error=why))
 
     def step(self, block: bool = False) -> None:
-        """One step boundary: take messages, schedule and launch the next forward, then deliver the
-        previous step's tokens and launch the new step's sampling.
+        """One step boundary: schedule and launch step n+1, then postprocess step n (wait for its
+        tokens, deliver them), then launch step n+1's sampling.
 
         The device runs ahead of the host by one step: the forward is enqueued before the host waits
         for the previous step's tokens (a decode's input token reaches the forward on the device,
@@ -303,49 +250,49 @@ class Engine:
         step's tokens are delivered by the next call."""
         self._drain(block and not self._requests and self._inflight is None)
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()                                   # 1. schedule (host only)
         t1 = time.perf_counter()
-        launched, info, failure = None, None, None
-        if batch:
-            with self._lock:
-                self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
-            if self._trace is not None:  # sizes before advance() moves num_computed
-                decode_rows = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
-                prefill_tokens = sum(n for req, n in batch if req.num_computed < len(req.prompt_ids))
-                kind = "decode" if not prefill_tokens else ("prefill" if not decode_rows else "mixed")
-                info = {"t": t0, "kind": kind, "batch": len(batch), "decode_rows": decode_rows,
-                        "prefill_tokens": prefill_tokens, "schedule_ms": (t1 - t0) * 1e3,
-                        "idle_ms": (t0 - self._last_step_end) * 1e3 if self._inflight is None else 0.0}
-            try:
-                launched = self.runner.forward(batch, self._inflight)
-            except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
-                self._fail_step([req for req, _ in batch], e)
-                failure = e
-            else:
-                for req, n in batch:
-                    self.scheduler.advance(req, n)
-                    self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
-                                                     max(req.num_computed - n, 0))
+        info = None
+        if batch and self._trace is not None:
+            info = StepTrace.begin(batch, t0, t1, (t0 - self._last_step_end) * 1e3 if self._inflight is None else 0.0)
+        launched, error = self._launch(batch) if batch else (None, None)   # 2. run: step n+1 enqueued
         t2 = time.perf_counter()
-        self._flush(t0 if batch else None)
+        self._flush(t0 if batch else None)                                  # 3. postprocess step n
         t3 = time.perf_counter()
         if launched is not None and launched.sampled:
-            try:
-                self._inflight = self.runner.sample(launched)
-            except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
-                self._fail_step([req for req, _ in launched.batch], e)
-                failure = e
-            else:
-                for req in self._inflight.requests:
-                    req.pending = 1
+            error = self._launch_sampling(launched)                         #    and step n+1's sampling
         if info is not None:
             info.update(launch_ms=(t2 - t1) * 1e3, sample_ms=(time.perf_counter() - t3) * 1e3)
-            if failure is not None:  # its line now: nothing of it is in flight
-                info["error"] = f"{type(failure).__name__}: {failure}"
-                self._write_trace((info, ()), 0.0, 0.0, (), next_start=time.perf_counter())
+            if error is not None:  # its line now: nothing of it is in flight
+                info["error"] = f"{type(error).__name__}: {error}"
+                self._trace.write(info, (), 0.0, 0.0, (), next_start=time.perf_counter())
             else:
                 self._step_trace = (info, launched.marks)
         self._last_step_end = time.perf_counter()
+
+    def _launch(self, batch) -> tuple[ForwardInFlight | None, Exception | None]:
+        with self._lock:
+            self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
+        try:
+            launched = self.runner.forward(batch, self._inflight)
+        except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
+            self._fail_step([req for req, _ in batch], e)
+            return None, e
+        for req, n in batch:
+            self.scheduler.advance(req, n)
+            self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
+                                             max(req.num_computed - n, 0))
+        return launched, None
+
+    def _launch_sampling(self, launched: ForwardInFlight) -> Exception | None:
+        try:
+            self._inflight = self.runner.sample(launched)
+        except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
+            self._fail_step([req for req, _ in launched.batch], e)
+            return e
+        for req in self._inflight.requests:
+            req.pending = 1
+        return None
 
     def _flush(self, next_start: float | None = None) -> None:
         """Collects the sampling in flight (delivering its tokens) and writes the previous step's trace
@@ -353,7 +300,7 @@ class Engine:
         prev, self._step_trace = self._step_trace, None
         waited = self._collect(self._inflight) if self._inflight is not None else (0.0, 0.0, ())
         if prev is not None:
-            self._write_trace(prev, *waited, next_start=next_start if next_start is not None else time.perf_counter())
+            self._trace.write(*prev, *waited, next_start=next_start if next_start is not None else time.perf_counter())
 
     def _collect(self, sampling) -> tuple[float, float, tuple]:
         """Waits for the sampling in flight and delivers its tokens. Returns (ms waiting for the device,
@@ -377,16 +324,6 @@ class Engine:
             else:
                 self._on_token(req, res)
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
-
-    def _write_trace(self, step_trace, wait_ms: float, deliver_ms: float, sample_marks: tuple, next_start: float):
-        """One JSON line for a step: sizes and host phases from its launch, device time (gpu_ms) from its
-        marks, and step_ms, the period from its launch to the next one's. The device runs one step
-        ahead, so a long step's wall time shows in the period of the step after it; gpu_ms is its own."""
-        info, fwd = step_trace
-        ops = self.runner.ops
-        gpu = (ops.elapsed_ms(*fwd) if fwd else 0.0) + (ops.elapsed_ms(*sample_marks) if sample_marks else 0.0)
-        info.update(wait_ms=wait_ms, deliver_ms=deliver_ms, gpu_ms=gpu, step_ms=(next_start - info["t"]) * 1e3)
-        self._trace.write(json.dumps(info) + "\n")
 
     def _fail_step(self, reqs, e: Exception) -> None:
         """A whole step failed: ends each of its requests still running with an error naming it."""
@@ -424,30 +361,12 @@ class Engine:
         self._requests[req.request_id] = req
 
     def _on_token(self, req: Request, res) -> None:
-        tok = res.token_id
-        req.output_ids.append(tok)
         self._stats.generation_tokens += 1
-        done = req.stop_check(tok)
         try:
-            delta = "" if done and done[0] == "stop" else req.detokenizer.add(tok)  # stop tokens add no text
-            if done:
-                delta += req.detokenizer.flush()
-            text, matched = req.stop_buffer.feed(delta, check=len(req.output_ids) >= req.params.min_tokens)
-            if matched is not None:
-                done = ("stop", matched)
-            elif done:
-                text += req.stop_buffer.flush()
+            out, done = req.add_token(res.token_id, res.logprob)
         except Exception as e:  # noqa: BLE001 - a detokenizer failure ends this request only
             self._finish(req, "error", error=f"detokenization failed: {type(e).__name__}: {e}")
             return
-        lp = None
-        if res.logprob is not None:
-            chosen, top_ids, top_lps = res.logprob
-            lp = [TokenLogprob(tok, chosen, dict(zip(top_ids, top_lps)))]
-        out = RequestOutput(req.request_id, [tok], text, prompt_tokens=len(req.prompt_ids),
-                            completion_tokens=len(req.output_ids), logprobs=lp)
-        if len(req.output_ids) == 1:
-            out.queue_time = req.scheduled_at - req.arrival
         if done:
             self._finish(req, done[0], done[1], out)
         else:

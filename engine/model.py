@@ -14,7 +14,7 @@ from .step import Step
 class Qwen35Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend):
         self.cfg, self.ops = cfg, backend
-        up = backend.weight
+        up = backend.weight  # a list of arrays: their concatenation (rows), fused where they are uploaded
         self.embed = up(weights["embed_tokens.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else up(weights["lm_head.weight"])
         self.norm = up(weights["norm.weight"])
@@ -22,18 +22,18 @@ class Qwen35Model:
         for i, kind in enumerate(cfg.layer_types):
             w = lambda name: weights[f"layers.{i}.{name}"]  # noqa: E731
             layer = {"kind": kind, "ln1": up(w("input_layernorm.weight")), "ln2": up(w("post_attention_layernorm.weight")),
-                     "gate_up": up(np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])),
+                     "gate_up": up([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
                      "down": up(w("mlp.down_proj.weight"))}
             if kind == LINEAR:
                 p = "linear_attn."
-                layer |= {"in_proj": up(np.concatenate([w(p + "in_proj_qkv.weight"), w(p + "in_proj_z.weight"),
-                                                        w(p + "in_proj_b.weight"), w(p + "in_proj_a.weight")])),
+                layer |= {"in_proj": up([w(p + "in_proj_qkv.weight"), w(p + "in_proj_z.weight"),
+                                         w(p + "in_proj_b.weight"), w(p + "in_proj_a.weight")]),
                           "conv": up(w(p + "conv1d.weight")[:, 0, :]), "dt_bias": up(w(p + "dt_bias")),
                           "A_log": up(w(p + "A_log")), "norm": up(w(p + "norm.weight")),
                           "out_proj": up(w(p + "out_proj.weight"))}
             else:
                 p = "self_attn."
-                layer |= {"qkv": up(np.concatenate([w(p + "q_proj.weight"), w(p + "k_proj.weight"), w(p + "v_proj.weight")])),
+                layer |= {"qkv": up([w(p + "q_proj.weight"), w(p + "k_proj.weight"), w(p + "v_proj.weight")]),
                           "q_norm": up(w(p + "q_norm.weight")), "k_norm": up(w(p + "k_norm.weight")),
                           "o_proj": up(w(p + "o_proj.weight"))}
             self.layers.append(layer)

@@ -13,20 +13,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .arrays import HostCopy, array_module, as_f32, take_rows
+from .kv_blocks import DUMMY_BLOCK
 from .request import Request, Status
-from .sampler import (HostCopy, PendingSample, Sampler, SamplingRow, array_module, float_logits, is_argmax,
-                      take_rows)
+from .sampler import DrawInFlight, RowParams, Sampler, is_argmax
+from .state_slots import DUMMY_SLOT
 from .step import Step
 
 
 @dataclass
-class Sampled:
+class SampledToken:
     token_id: int
     logprob: tuple[float, list[int], list[float]] | None
 
 
 @dataclass
-class Launched:
+class ForwardInFlight:
     """A forward in flight."""
     batch: list[tuple[Request, int]]
     sampled: list[Request]   # the requests of the logits rows, in order
@@ -35,13 +37,13 @@ class Launched:
 
 
 @dataclass
-class Sampling:
+class SamplingInFlight:
     """A step's sampling in flight: one token per request, on the device until collect()."""
     requests: list[Request]
     row: dict                # request -> its row
     tokens: object           # [R] sampled token ids (device): the next forward's feed
     top: HostCopy            # [R, 2] int32 argmax / all-finite per row, on its way to the host
-    draw: PendingSample | None  # the sampler's rows (`drawn`), None when every row is plain greedy
+    draw: DrawInFlight | None  # the sampler's rows (`drawn`), None when every row is plain greedy
     drawn: list[int]
     errors: dict[int, Exception] = field(default_factory=dict)  # row -> what ended that request alone
     marks: tuple = ()
@@ -56,7 +58,18 @@ class ModelRunner:
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
         self.logits_hook = None
 
-    def forward(self, batch: list[tuple[Request, int]], prev: Sampling | None) -> Launched:
+    def warm_up(self, num_tokens: int) -> None:
+        """A prefill of num_tokens tokens and a decode step after it, both in the dummy slot and page,
+        before the first request: it then finds its kernels loaded, the GEMM plans made, the backend's
+        lazily built helpers ready and the memory pool grown to a prefill's size."""
+        self.ops.reset_slots(self.cache, [DUMMY_SLOT])
+        blocks = [DUMMY_BLOCK] * -(-(num_tokens + 1) // self.cache.block_size)
+        logits = self.model.forward(Step.build([([0] * num_tokens, 0, DUMMY_SLOT, blocks)]), self.cache)
+        tokens = self.ops.argmax_finite(as_f32(logits))[:, 0]
+        step = Step.build([([0], num_tokens, DUMMY_SLOT, blocks)], feed=(np.zeros(1, np.int64), tokens))
+        self.ops.to_host(self.ops.argmax_finite(as_f32(self.model.forward(step, self.cache))))
+
+    def forward(self, batch: list[tuple[Request, int]], prev: SamplingInFlight | None) -> ForwardInFlight:
         """Launches the step. prev: the sampling in flight, whose tokens feed the decodes of requests
         with a pending token."""
         fresh = [req.slot for req, _ in batch if req.num_computed == 0]
@@ -87,9 +100,9 @@ class ModelRunner:
         else:
             logits = self.model.forward(step, self.cache)
         marks = (start, self.ops.mark()) if self.timing else ()
-        return Launched(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks)
+        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks)
 
-    def sample(self, launched: Launched) -> Sampling:
+    def sample(self, launched: ForwardInFlight) -> SamplingInFlight:
         """Launches the sampling of the step's requests that are still running (one finished while the
         step was in flight has nothing to sample). Their parameters read output_ids, so the previous
         sampling must have been collected."""
@@ -103,7 +116,7 @@ class ModelRunner:
         # host logits, and then the sampling runs on the host
         if self.logits_hook is not None and reqs:
             logits = self.logits_hook(reqs, self.ops.to_host(logits))
-        logits = float_logits(logits)
+        logits = as_f32(logits)
         # one pass over every row where the logits are: non-finite rows fail alone (collect()), plain
         # greedy rows take the argmax, and only the rest go through the sampler
         top = self.ops.argmax_finite(logits)
@@ -125,17 +138,17 @@ class ModelRunner:
             # a non-finite row fails in collect(); until then it draws from zeros, so that every token
             # that may feed the next forward is a valid id
             x = xp.where(fin[:, None] != 0, x, np.float32(0))
-            draw = self.sampler.start(x, rows)
+            draw = self.sampler.launch(x, rows)
             if every:
                 tokens = draw.tokens
             else:
                 tokens = tokens.astype(xp.int64)
                 tokens[di] = draw.tokens
         marks = (start, self.ops.mark()) if self.timing else ()
-        return Sampling(reqs, {req: j for j, req in enumerate(reqs)}, tokens, HostCopy(top), draw, drawn, errors,
+        return SamplingInFlight(reqs, {req: j for j, req in enumerate(reqs)}, tokens, HostCopy(top), draw, drawn, errors,
                         marks)
 
-    def collect(self, s: Sampling) -> list[tuple[Request, Sampled | Exception]]:
+    def collect(self, s: SamplingInFlight) -> list[tuple[Request, SampledToken | Exception]]:
         """Waits for the sampling and returns, per request, its token or the exception that ended only
         that request."""
         top = s.top.result()
@@ -148,17 +161,17 @@ class ModelRunner:
             elif j in s.errors:
                 out.append((req, s.errors[j]))
             elif j in at:
-                out.append((req, Sampled(int(res.token_ids[at[j]]), res.logprobs[at[j]])))
+                out.append((req, SampledToken(int(res.token_ids[at[j]]), res.logprobs[at[j]])))
             else:
-                out.append((req, Sampled(int(top[j, 0]), None)))
+                out.append((req, SampledToken(int(top[j, 0]), None)))
         return out
 
     @staticmethod
-    def _row(req: Request, vocab: int) -> SamplingRow:
+    def _row(req: Request, vocab: int) -> RowParams:
         p = req.params
         if any(not 0 <= t < vocab for t in p.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {sorted(p.logit_bias)}")
-        return SamplingRow(
+        return RowParams(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, prompt_ids=req.prompt_ids, output_ids=req.output_ids,

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-GREEDY_EPS = 1e-5
+from .arrays import HostCopy, array_module, as_f32, to_numpy
+from .sampling_params import GREEDY_EPS
+
 TOP_P_CANDIDATES = 1024   # top-p without top-k: the nucleus is first looked for among this many best
 NEG = np.float32(-np.inf)
 _PAD_KEY = np.int64(np.iinfo(np.int64).max)
@@ -32,7 +34,7 @@ _LOW32 = np.int64(0xFFFFFFFF)
 
 
 @dataclass
-class SamplingRow:
+class RowParams:
     """One sequence's sampling inputs for this step (plain Python, built by the runner)."""
     temperature: float
     top_k: int = -1              # <= 0: off
@@ -49,7 +51,7 @@ class SamplingRow:
     generator: np.random.Generator | None = None
 
 
-def is_argmax(row: SamplingRow) -> bool:
+def is_argmax(row: RowParams) -> bool:
     """The sampler would return this row's raw argmax and nothing else (greedy, nothing that changes
     the logits, no logprobs): the runner takes the backend's argmax instead of sampling."""
     return (row.temperature < GREEDY_EPS and row.repetition_penalty == 1.0 and not row.presence_penalty
@@ -58,62 +60,12 @@ def is_argmax(row: SamplingRow) -> bool:
 
 
 @dataclass
-class SampleResult:
+class DrawResult:
     token_ids: np.ndarray                 # [B] int64 (host)
     logprobs: list[tuple[float, list[int], list[float]] | None]  # (chosen lp, top ids, top lps) per row
 
 
-# ---- array-module plumbing ---------------------------------------------------------------------
-def array_module(a):
-    """numpy, or cupy for a CuPy array (imported only then: the NumPy path never needs CuPy)."""
-    if type(a).__module__.partition(".")[0] == "cupy":
-        import cupy
-        return cupy
-    return np
-
-
-def to_numpy(a) -> np.ndarray:
-    return a.get() if array_module(a) is not np else np.asarray(a)
-
-
-class HostCopy:
-    """An array's copy to the host, started now; result() waits for it. For a CuPy array the copy is
-    asynchronous (into pinned memory, then an event), so waiting for it does not also wait for device
-    work enqueued after it, as a plain .get() would."""
-
-    def __init__(self, a):
-        self._done = None
-        if array_module(a) is np:
-            self._host = np.asarray(a)
-            return
-        import cupy
-        import cupyx
-        a = cupy.ascontiguousarray(a)
-        self._host = cupyx.empty_pinned(a.shape, a.dtype)
-        cupy.asnumpy(a, out=self._host, blocking=False)
-        self._done = cupy.cuda.Event(disable_timing=True)
-        self._done.record()
-
-    def result(self) -> np.ndarray:
-        if self._done is not None:
-            self._done.synchronize()
-        return self._host
-
-
-def float_logits(a):
-    """Logits as float32 where they live; uint16 arrays are bf16 raw bits (the backends' convention)."""
-    xp = array_module(a)
-    if a.dtype == np.uint16:
-        return (a.astype(xp.uint32) << 16).view(xp.float32)
-    return a.astype(xp.float32, copy=False)
-
-
-def take_rows(a, rows):
-    """a[rows] for a host list of row indices, on a's device."""
-    xp = array_module(a)
-    return a[xp.asarray(np.asarray(rows, np.int64))]
-
-
+# ---- host-side inputs, uploaded once ----------------------------------------------------------
 def _upload(xp, arrays: dict[str, np.ndarray]) -> dict:
     """Host arrays on xp's device, one copy per dtype (identity for NumPy)."""
     if xp is np:
@@ -136,7 +88,6 @@ def log_softmax(x):
     return x - m - xp.log(xp.exp(x - m).sum(-1, keepdims=True))
 
 
-# ---- host-side inputs --------------------------------------------------------------------------
 def _flat(rows, pick, V):
     """(flat index row * V + token, row, value) arrays over rows for per-row {token: value} maps."""
     r, t, v = [], [], []
@@ -170,7 +121,7 @@ class _Inputs:
     top_p: np.ndarray
 
 
-def _inputs(rows: list[SamplingRow], V: int) -> _Inputs:
+def _inputs(rows: list[RowParams], V: int) -> _Inputs:
     col = lambda name: np.array([getattr(r, name) for r in rows], np.float32)  # noqa: E731
     a = {}
     a["ban"], _, _ = _flat(rows, lambda row: dict.fromkeys(row.banned_ids, 0.0), V)
@@ -201,7 +152,7 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)  # unseeded requests
 
-    def process(self, logits, rows: list[SamplingRow]):
+    def process(self, logits, rows: list[RowParams]):
         """Steps 2-10 of vLLM's order: the logits the token is drawn from (masked = -inf), a new
         float32 array on the logits' device. Greedy rows stop after the penalties (their argmax is
         the token)."""
@@ -245,10 +196,10 @@ class Sampler:
             cand = (h.top_rows[fit], ids, keep)
         return x, cand
 
-    def sample(self, logits, rows: list[SamplingRow]) -> SampleResult:
-        return self.start(logits, rows).fetch()
+    def sample(self, logits, rows: list[RowParams]) -> DrawResult:
+        return self.launch(logits, rows).fetch()
 
-    def start(self, logits, rows: list[SamplingRow]) -> "PendingSample":
+    def launch(self, logits, rows: list[RowParams]) -> "DrawInFlight":
         """sample() without waiting for the device: the tokens stay where the logits are (they can feed
         the next forward before the host has seen them); fetch() brings everything to the host."""
         xp = array_module(logits)
@@ -277,29 +228,29 @@ class Sampler:
                     tokens = _inverse_cdf(xp, x, d["uf"], tokens)
                 else:
                     tokens[d["gf"]] = _inverse_cdf(xp, x[d["gf"]], d["uf"], tokens[d["gf"]])
-        return PendingSample.launch(xp, logits, rows, tokens)
+        return DrawInFlight.launch(xp, logits, rows, tokens)
 
 
 @dataclass
-class PendingSample:
+class DrawInFlight:
     """A sampling enqueued on the logits' device: `tokens` [R] (int64, on the device), and the tokens with
     the chosen and top-N logprobs (from the raw logits, vLLM's default raw_logprobs) of the rows that
     ask, packed in one array on its way to the host (one transfer); fetch() waits for it."""
     tokens: object
     packed: HostCopy
-    rows: list[SamplingRow]
+    rows: list[RowParams]
     want: list[int]
     N: int
 
     @classmethod
-    def launch(cls, xp, logits, rows, tokens) -> "PendingSample":
+    def launch(cls, xp, logits, rows, tokens) -> "DrawInFlight":
         R = len(rows)
         want = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
         parts = [tokens.astype(xp.float64)]
         N = max([rows[i].num_logprobs for i in want], default=0)
         if want:
             wi = _upload(xp, {"w": np.array(want, np.int64)})["w"]
-            raw = float_logits(logits if len(want) == R else logits[wi])
+            raw = as_f32(logits if len(want) == R else logits[wi])
             # log_softmax's own formula, (x - m) - log(sum(exp(x - m))), evaluated at the gathered tokens
             m = raw.max(1, keepdims=True)
             ls = xp.log(xp.exp(raw - m).sum(1, keepdims=True))
@@ -310,7 +261,7 @@ class PendingSample:
                 parts += [ids.ravel().astype(xp.float64), top.ravel().astype(xp.float64), n.astype(xp.float64)]
         return cls(tokens, HostCopy(xp.concatenate(parts)), rows, want, min(N, logits.shape[1]))
 
-    def fetch(self) -> SampleResult:
+    def fetch(self) -> DrawResult:
         rows, want, N, R = self.rows, self.want, self.N, len(self.rows)
         host = self.packed.result()
         out: list = [None] * R
@@ -324,7 +275,7 @@ class PendingSample:
             for j, i in enumerate(want):
                 c = min(rows[i].num_logprobs, int(n[j])) if N else 0
                 out[i] = (float(chosen[j]), ids[j, :c].tolist() if c else [], top[j, :c].tolist() if c else [])
-        return SampleResult(host[:R].astype(np.int64), out)
+        return DrawResult(host[:R].astype(np.int64), out)
 
 
 # ---- ranking, top-k / top-p, inverse CDF -------------------------------------------------------

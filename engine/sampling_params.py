@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-_GREEDY_EPS = 1e-5  # temperature below this is greedy, as in vLLM
+GREEDY_EPS = 1e-5  # temperature below this is greedy, as in vLLM
 
 
 @dataclass
@@ -68,10 +68,6 @@ class SamplingParams:
                 bad(name, f"token ids in [0, {vocab_size if vocab_size is not None else 'vocab_size'})")
         if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values in [-100, 100]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature is not None and self.temperature < _GREEDY_EPS
 
     def with_defaults(self, defaults: dict) -> "SamplingParams":
         """Fill unset temperature/top_p/top_k from generation_config.json (vLLM's behaviour)."""

@@ -67,10 +67,14 @@ class Scheduler:
             raise AdmissionError(f"request needs {total} tokens of KV cache ({prompt_tokens} in the prompt, "
                                  f"{max_tokens} max tokens) but the whole KV pool holds {cap} tokens")
 
+    def check_queue(self, waiting: int) -> None:
+        """Raises OverloadedError when `waiting` requests (submitted, not yet admitted) fill the queue.
+        The engine asks at submit time, counting those still on their way to add()."""
+        if waiting >= self.max_waiting_requests:
+            raise OverloadedError(f"The request queue is full ({self.max_waiting_requests} waiting requests).")
+
     def add(self, req: Request) -> None:
         self.check_fits(len(req.prompt_ids), req.max_tokens)
-        if len(self.waiting) >= self.max_waiting_requests:
-            raise OverloadedError(f"The request queue is full ({self.max_waiting_requests} waiting requests).")
         if self.prefix is not None:
             self.prefix.track(req)
         self.waiting.append(req)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kv_blocks import DUMMY_BLOCK
+
 
 @dataclass
 class Step:
@@ -38,7 +40,7 @@ class Step:
         cu = np.zeros(len(chunks) + 1, np.int32)
         cu[1:] = np.cumsum(lens)
         width = max([len(c[3]) for c in chunks] + [1])
-        tables = np.zeros((len(chunks), width), np.int32)
+        tables = np.full((len(chunks), width), DUMMY_BLOCK, np.int32)  # unused entries: the dummy page
         for i, c in enumerate(chunks):
             tables[i, :len(c[3])] = c[3]
         sample = sample if sample is not None else [True] * len(chunks)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import bf16_to_f32
 from .config import LINEAR, ModelConfig
 
 # safetensors dtype -> NumPy dtype of the raw buffer (BF16 kept as bits)
@@ -122,12 +123,3 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
         found["lm_head.weight"] = found["embed_tokens.weight"]
     return found
 
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even, as torch does; returns the raw bits."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)

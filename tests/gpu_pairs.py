@@ -3,7 +3,7 @@ backends, and the closeness measure with its bf16 tolerance."""
 import cupy
 import numpy as np
 
-from engine.weights import bf16_to_f32, f32_to_bf16
+from engine.arrays import bf16_to_f32, f32_to_bf16
 
 BF16_TOL = 2e-2  # max|diff| / max|ref| for bf16 outputs
 

@@ -14,8 +14,9 @@ from conftest import gpu_or_skip  # noqa: E402
 
 cupy = gpu_or_skip()
 
-from engine.backend_cuda import CudaBackend  # noqa: E402
-from engine.backend_numpy import Cache, NumpyBackend  # noqa: E402
+from engine.gpu.backend import CudaBackend  # noqa: E402
+from engine.backend_numpy import NumpyBackend  # noqa: E402
+from engine.ops import Cache  # noqa: E402
 from engine.step import Step  # noqa: E402
 from gpu_pairs import BF16_TOL, rel, rnd  # noqa: E402
 
@@ -90,11 +91,11 @@ def test_prefill_attention_block_sizes(be, bs):
 def test_prefill_attention_tiles_cover_rows():
     """The host work list: every (sequence, row) in exactly one tile, no tile straddles sequences,
     heaviest first, leading decodes left to attn_fwd."""
-    from engine.backend_cuda import PF_ROWS, _prefill_tiles
+    from engine.gpu.prefill_tiles import PF_ROWS, prefill_tiles
     lens, bases = [1, 1, 1000, 1, 65, 0, 3], [9, 40, 300, 7, 17, 5, 0]
     step = Step.build([([0] * n, b0, i, [0] * ((b0 + n) // 16 + 1)) for i, (n, b0) in enumerate(zip(lens, bases))])
     for G in (1, 2, 3, 4, 6, 8):
-        tiles, n_dec = _prefill_tiles(step, G)
+        tiles, n_dec = prefill_tiles(step, G)
         t = cupy.asnumpy(tiles)
         assert n_dec == 2
         cover = {}
@@ -106,4 +107,4 @@ def test_prefill_attention_tiles_cover_rows():
             assert sorted(cover.get(b, [])) == want, (G, b)
         keys = [bases[b] + (min(r0 + PF_ROWS, n * G) - 1) // G + 1 for b, r0, _, n in t]
         assert keys == sorted(keys, reverse=True)
-    assert _prefill_tiles(Step.build([([0], 5, 0, [0]), ([0], 0, 1, [1])]), 4) == (None, 2)
+    assert prefill_tiles(Step.build([([0], 5, 0, [0]), ([0], 0, 1, [1])]), 4) == (None, 2)

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (engine/decode_graph.py) against eager execution on the tiny models.
+"""CUDA-graph decode (engine/gpu/decode_graph.py) against eager execution on the tiny models.
 
 A replay must equal eager execution of the same padded step bit for bit (logits and every conv,
 recurrent and KV array outside the dummy slot / page), batches that straddle buckets must work with the
@@ -12,9 +12,9 @@ from conftest import gpu_or_skip  # noqa: E402
 
 cupy = gpu_or_skip()
 
-from engine.backend_cuda import CudaBackend  # noqa: E402
-from engine.backend_numpy import Cache  # noqa: E402
-from engine.decode_graph import DecodeGraphs, bucket_sizes  # noqa: E402
+from engine.gpu.backend import CudaBackend  # noqa: E402
+from engine.ops import Cache  # noqa: E402
+from engine.gpu.decode_graph import DecodeGraphs, bucket_sizes  # noqa: E402
 from engine.step import Step  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -14,9 +14,9 @@ from conftest import gpu_or_skip  # noqa: E402
 
 cupy = gpu_or_skip()
 
-import engine.backend_cuda as bc  # noqa: E402
-from engine.backend_cuda import GEMV_MAX_M, LOGITS_ROWS, CudaBackend  # noqa: E402
-from engine.weights import bf16_to_f32  # noqa: E402
+import engine.gpu.backend as bc  # noqa: E402
+from engine.gpu.backend import GEMV_MAX_M, LOGITS_ROWS, CudaBackend  # noqa: E402
+from engine.arrays import bf16_to_f32  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2  # as tests/test_gpu_kernels.py: max|diff| / max|ref| for bf16 outputs

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     pytest.skip("torch sees no CUDA device", allow_module_level=True)
 
-from engine.backend_cuda import CudaBackend  # noqa: E402
+from engine.gpu.backend import CudaBackend  # noqa: E402
 from engine.checkpoint import make_model  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.model import Qwen35Model  # noqa: E402

@@ -11,10 +11,11 @@ from conftest import gpu_or_skip  # noqa: E402
 
 cupy = gpu_or_skip()
 
-from engine.backend_cuda import CudaBackend  # noqa: E402
-from engine.backend_numpy import Cache, NumpyBackend  # noqa: E402
+from engine.gpu.backend import CudaBackend  # noqa: E402
+from engine.backend_numpy import NumpyBackend  # noqa: E402
+from engine.ops import Cache  # noqa: E402
 from engine.step import Step  # noqa: E402
-from engine.weights import bf16_to_f32, f32_to_bf16  # noqa: E402
+from engine.arrays import bf16_to_f32, f32_to_bf16  # noqa: E402
 from gpu_pairs import BF16_TOL, rel, rnd  # noqa: E402
 
 pytestmark = pytest.mark.gpu

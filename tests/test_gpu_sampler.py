@@ -15,7 +15,8 @@ from conftest import gpu_or_skip  # noqa: E402
 
 cupy = gpu_or_skip()
 
-from engine.sampler import Sampler, SamplingRow, float_logits, take_rows  # noqa: E402
+from engine.arrays import as_f32, take_rows  # noqa: E402
+from engine.sampler import RowParams, Sampler  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 V = 248320
@@ -44,7 +45,7 @@ def mixed_rows(B, rng):
     rows = []
     for i in range(B):
         kw = dict(kinds[(4 * i + 4) % len(kinds)] if B < len(kinds) else kinds[i % len(kinds)])
-        rows.append(SamplingRow(**kw, generator=np.random.default_rng(i) if i % 2 else None))
+        rows.append(RowParams(**kw, generator=np.random.default_rng(i) if i % 2 else None))
     return rows
 
 
@@ -54,7 +55,7 @@ def fresh(rows):
     for i, r in enumerate(rows):
         d = dict(r.__dict__)
         d["generator"] = np.random.default_rng(i) if r.generator is not None else None
-        out.append(SamplingRow(**d))
+        out.append(RowParams(**d))
     return out
 
 
@@ -98,9 +99,9 @@ def test_ties_and_degenerate_rows():
     x[1, [10, 20, 30]] = 3.0
     x[2, :] = -1.0
     x[2, V - 1] = -1.0
-    rows = [SamplingRow(temperature=0.0, num_logprobs=3), SamplingRow(temperature=0.0, num_logprobs=4),
-            SamplingRow(temperature=1.0, top_k=3, generator=np.random.default_rng(1)),
-            SamplingRow(temperature=1.0, top_p=0.5, generator=np.random.default_rng(2))]
+    rows = [RowParams(temperature=0.0, num_logprobs=3), RowParams(temperature=0.0, num_logprobs=4),
+            RowParams(temperature=1.0, top_k=3, generator=np.random.default_rng(1)),
+            RowParams(temperature=1.0, top_p=0.5, generator=np.random.default_rng(2))]
     a = Sampler().sample(x, fresh(rows))
     b = Sampler().sample(cupy.asarray(x), fresh(rows))
     assert a.token_ids.tolist() == b.token_ids.tolist()
@@ -114,17 +115,17 @@ def test_helpers_on_device():
     d = cupy.asarray(x)
     np.testing.assert_array_equal(take_rows(d, [4, 1]).get(), x[[4, 1]])
     bits = (x.view(np.uint32) >> 16).astype(np.uint16)
-    np.testing.assert_array_equal(float_logits(cupy.asarray(bits)).get(), (bits.astype(np.uint32) << 16).view(np.float32))
+    np.testing.assert_array_equal(as_f32(cupy.asarray(bits)).get(), (bits.astype(np.uint32) << 16).view(np.float32))
 
 
 def test_timing_report():
     """Not a gate: prints the device sampling time of a B=64 step for a few parameter mixes."""
     rng = np.random.default_rng(0)
     dev = cupy.asarray(make_logits(64, rng))
-    mixes = {"greedy": [SamplingRow(temperature=0.0)] * 64,
-             "temperature": [SamplingRow(temperature=0.8)] * 64,
-             "top_k20_top_p0.95": [SamplingRow(temperature=0.6, top_k=20, top_p=0.95)] * 64,
-             "top_p0.9 alone": [SamplingRow(temperature=0.9, top_p=0.9)] * 64,
+    mixes = {"greedy": [RowParams(temperature=0.0)] * 64,
+             "temperature": [RowParams(temperature=0.8)] * 64,
+             "top_k20_top_p0.95": [RowParams(temperature=0.6, top_k=20, top_p=0.95)] * 64,
+             "top_p0.9 alone": [RowParams(temperature=0.9, top_p=0.9)] * 64,
              "mixed": mixed_rows(64, rng)}
     s = Sampler()
     for name, rows in mixes.items():

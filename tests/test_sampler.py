@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 
 from engine import sampler as S
-from engine.sampler import Sampler, SamplingRow, log_softmax
+from engine.sampler import RowParams, Sampler, log_softmax
 from engine.sampling_params import SamplingParams
 
 V = 64
 
 
-def reference(logits, row: SamplingRow):
+def reference(logits, row: RowParams):
     """One row, vLLM's order, written plainly (full sorts, Python loops)."""
     x = logits.astype(np.float64).copy()
     for t in row.banned_ids:
@@ -53,18 +53,18 @@ def ref_token(x, u):
 def mixed_rows(rng):
     hist = lambda n: rng.integers(0, V, n).tolist()  # noqa: E731
     return [
-        SamplingRow(temperature=0.0),
-        SamplingRow(temperature=0.7),
-        SamplingRow(temperature=1.0, top_k=5),
-        SamplingRow(temperature=0.9, top_p=0.6),
-        SamplingRow(temperature=1.3, top_k=10, top_p=0.8),
-        SamplingRow(temperature=1.0, min_p=0.2),
-        SamplingRow(temperature=0.8, min_p=0.05, top_k=20, top_p=0.9),
-        SamplingRow(temperature=1.0, repetition_penalty=1.5, prompt_ids=hist(10), output_ids=hist(5)),
-        SamplingRow(temperature=0.0, repetition_penalty=0.7, prompt_ids=hist(10), output_ids=hist(5)),
-        SamplingRow(temperature=1.0, frequency_penalty=0.8, presence_penalty=-0.5, output_ids=hist(30)),
-        SamplingRow(temperature=0.5, banned_ids=[1, 2, 3], logit_bias={7: 3.0, 8: -50.0}),
-        SamplingRow(temperature=1.0, top_k=V + 5),  # k beyond the vocabulary: off
+        RowParams(temperature=0.0),
+        RowParams(temperature=0.7),
+        RowParams(temperature=1.0, top_k=5),
+        RowParams(temperature=0.9, top_p=0.6),
+        RowParams(temperature=1.3, top_k=10, top_p=0.8),
+        RowParams(temperature=1.0, min_p=0.2),
+        RowParams(temperature=0.8, min_p=0.05, top_k=20, top_p=0.9),
+        RowParams(temperature=1.0, repetition_penalty=1.5, prompt_ids=hist(10), output_ids=hist(5)),
+        RowParams(temperature=0.0, repetition_penalty=0.7, prompt_ids=hist(10), output_ids=hist(5)),
+        RowParams(temperature=1.0, frequency_penalty=0.8, presence_penalty=-0.5, output_ids=hist(30)),
+        RowParams(temperature=0.5, banned_ids=[1, 2, 3], logit_bias={7: 3.0, 8: -50.0}),
+        RowParams(temperature=1.0, top_k=V + 5),  # k beyond the vocabulary: off
     ]
 
 
@@ -103,8 +103,8 @@ def test_greedy_is_argmax_and_masked_tokens_never_sampled():
     rng = np.random.default_rng(2)
     logits = rng.normal(0, 1, (4, V)).astype(np.float32)
     s = Sampler(0)
-    assert (s.sample(logits, [SamplingRow(temperature=0.0)] * 4).token_ids == logits.argmax(1)).all()
-    rows = [SamplingRow(temperature=2.0, top_k=3)] * 4
+    assert (s.sample(logits, [RowParams(temperature=0.0)] * 4).token_ids == logits.argmax(1)).all()
+    rows = [RowParams(temperature=2.0, top_k=3)] * 4
     top3 = np.argsort(-logits, 1)[:, :3]
     for _ in range(50):
         t = s.sample(logits, rows).token_ids
@@ -114,9 +114,9 @@ def test_greedy_is_argmax_and_masked_tokens_never_sampled():
 def test_seed_is_independent_of_batch_neighbours():
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 1, (6, V)).astype(np.float32)
-    alone = Sampler(0).sample(logits[2:3], [SamplingRow(temperature=1.0, generator=np.random.default_rng(7))])
-    rows = [SamplingRow(temperature=1.0) for _ in range(6)]
-    rows[2] = SamplingRow(temperature=1.0, generator=np.random.default_rng(7))
+    alone = Sampler(0).sample(logits[2:3], [RowParams(temperature=1.0, generator=np.random.default_rng(7))])
+    rows = [RowParams(temperature=1.0) for _ in range(6)]
+    rows[2] = RowParams(temperature=1.0, generator=np.random.default_rng(7))
     batch = Sampler(123).sample(logits, rows)
     assert batch.token_ids[2] == alone.token_ids[0]
 
@@ -124,7 +124,7 @@ def test_seed_is_independent_of_batch_neighbours():
 def test_seeded_distribution_follows_probabilities():
     logits = np.log(np.array([[0.5, 0.3, 0.2] + [1e-12] * (V - 3)], np.float32))
     g = np.random.default_rng(0)
-    counts = np.bincount([Sampler().sample(logits, [SamplingRow(temperature=1.0, generator=g)]).token_ids[0]
+    counts = np.bincount([Sampler().sample(logits, [RowParams(temperature=1.0, generator=g)]).token_ids[0]
                           for _ in range(3000)], minlength=V)
     np.testing.assert_allclose(counts[:3] / 3000, [0.5, 0.3, 0.2], atol=0.04)
 
@@ -132,7 +132,7 @@ def test_seeded_distribution_follows_probabilities():
 def test_logprobs_come_from_raw_logits():
     rng = np.random.default_rng(4)
     logits = rng.normal(0, 1, (2, V)).astype(np.float32)
-    rows = [SamplingRow(temperature=0.0, num_logprobs=3, logit_bias={5: 20.0}), SamplingRow(temperature=0.5)]
+    rows = [RowParams(temperature=0.0, num_logprobs=3, logit_bias={5: 20.0}), RowParams(temperature=0.5)]
     out = Sampler().sample(logits, rows)
     assert out.token_ids[0] == 5 and out.logprobs[1] is None
     lp = log_softmax(logits[0].astype(np.float64))
@@ -184,15 +184,15 @@ def test_large_vocab_paths_match_reference(Vbig):
     logits = rng.normal(0, 2, (9, Vbig)).astype(np.float32)
     logits[1:4, rng.integers(0, Vbig, 30)] += 12.0  # peaked rows: a small nucleus
     rows = [
-        SamplingRow(temperature=1.0, top_k=5),
-        SamplingRow(temperature=0.9, top_p=0.9),
-        SamplingRow(temperature=0.7, top_k=50, top_p=0.8),
-        SamplingRow(temperature=1.0, top_p=0.5, min_p=0.01),
-        SamplingRow(temperature=1.5, top_p=0.95),         # flat: the nucleus is most of the vocabulary
-        SamplingRow(temperature=1.0, top_p=0.3),          # flat, smaller nucleus
-        SamplingRow(temperature=1.0, min_p=0.5, top_k=40),  # fewer finite tokens than k
-        SamplingRow(temperature=0.0, repetition_penalty=1.3, prompt_ids=rng.integers(0, Vbig, 40).tolist()),
-        SamplingRow(temperature=1.0, banned_ids=[7, 9], logit_bias={3: 8.0}, frequency_penalty=0.5,
+        RowParams(temperature=1.0, top_k=5),
+        RowParams(temperature=0.9, top_p=0.9),
+        RowParams(temperature=0.7, top_k=50, top_p=0.8),
+        RowParams(temperature=1.0, top_p=0.5, min_p=0.01),
+        RowParams(temperature=1.5, top_p=0.95),         # flat: the nucleus is most of the vocabulary
+        RowParams(temperature=1.0, top_p=0.3),          # flat, smaller nucleus
+        RowParams(temperature=1.0, min_p=0.5, top_k=40),  # fewer finite tokens than k
+        RowParams(temperature=0.0, repetition_penalty=1.3, prompt_ids=rng.integers(0, Vbig, 40).tolist()),
+        RowParams(temperature=1.0, banned_ids=[7, 9], logit_bias={3: 8.0}, frequency_penalty=0.5,
                     output_ids=rng.integers(0, Vbig, 20).tolist()),
     ]
     check_against_reference(logits, rows, seed=Vbig)
@@ -223,7 +223,7 @@ def test_ranked_order_is_unique_with_ties(K):
 def test_top_k_ties_keep_the_lowest_ids():
     logits = np.zeros((1, 4000), np.float32)
     logits[0, [100, 200]] = 1.0
-    x = Sampler().process(logits, [SamplingRow(temperature=1.0, top_k=5)])
+    x = Sampler().process(logits, [RowParams(temperature=1.0, top_k=5)])
     assert np.flatnonzero(np.isfinite(x[0])).tolist() == [0, 1, 2, 100, 200]
 
 
@@ -245,7 +245,7 @@ def test_inverse_cdf_matches_searchsorted_and_skips_masked():
 def test_kept_candidates_draw_equals_whole_row_draw():
     rng = np.random.default_rng(6)
     logits = rng.normal(0, 2, (4, 6000)).astype(np.float32)
-    rows = [SamplingRow(temperature=1.0, top_k=k, top_p=p) for k, p in [(7, 1.0), (60, 0.7), (500, 0.95), (3, 0.1)]]
+    rows = [RowParams(temperature=1.0, top_k=k, top_p=p) for k, p in [(7, 1.0), (60, 0.7), (500, 0.95), (3, 0.1)]]
     x, cand = Sampler()._process(logits, rows)
     r, ids, keep = cand
     for u in rng.random(30):
@@ -258,8 +258,8 @@ def test_kept_candidates_draw_equals_whole_row_draw():
 def test_logprobs_sizes_and_ties():
     logits = np.zeros((3, V), np.float32)
     logits[0, 5] = 1.0
-    rows = [SamplingRow(temperature=0.0, num_logprobs=4), SamplingRow(temperature=1.0, num_logprobs=0),
-            SamplingRow(temperature=0.0, num_logprobs=V + 10)]
+    rows = [RowParams(temperature=0.0, num_logprobs=4), RowParams(temperature=1.0, num_logprobs=0),
+            RowParams(temperature=0.0, num_logprobs=V + 10)]
     out = Sampler().sample(logits, rows)
     assert out.logprobs[0][1] == [5, 0, 1, 2]          # ties: the lowest ids first
     assert out.logprobs[1][1] == [] and out.logprobs[1][2] == []
@@ -269,12 +269,12 @@ def test_logprobs_sizes_and_ties():
 
 def test_out_of_range_token_ids_raise():
     logits = np.zeros((1, V), np.float32)
-    for row in (SamplingRow(temperature=0.0, banned_ids=[V]), SamplingRow(temperature=0.0, logit_bias={-1: 1.0})):
+    for row in (RowParams(temperature=0.0, banned_ids=[V]), RowParams(temperature=0.0, logit_bias={-1: 1.0})):
         with pytest.raises(IndexError, match="out of range"):
             Sampler().sample(logits, [row])
 
 
 def test_bf16_bits():
-    from engine.weights import f32_to_bf16
+    from engine.arrays import as_f32, f32_to_bf16
     a = np.array([[1.5, -2.0], [np.nan, 0.25]], np.float32)
-    np.testing.assert_array_equal(S.float_logits(f32_to_bf16(a))[0], a[0])
+    np.testing.assert_array_equal(as_f32(f32_to_bf16(a))[0], a[0])

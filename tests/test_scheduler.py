@@ -141,10 +141,9 @@ def test_never_fitting_is_rejected_with_sizes():
 
 def test_waiting_queue_is_bounded():
     s = sched(waiting=2)
-    s.add(req(0, 4))
-    s.add(req(1, 4))
+    s.check_queue(1)
     with pytest.raises(OverloadedError, match="queue is full"):
-        s.add(req(2, 4))
+        s.check_queue(2)
 
 
 def test_finish_from_waiting_and_running():

@@ -1,4 +1,4 @@
-"""Decode step time, eager forward vs CUDA-graph replay (engine/decode_graph.py), on the 4b shapes.
+"""Decode step time, eager forward vs CUDA-graph replay (engine/gpu/decode_graph.py), on the 4b shapes.
 
 Sequences hold `--ctx` tokens of context (prefilled eagerly; the values do not matter for speed) and
 the same decode step (position ctx) is run repeatedly at each batch size: wall time per step over
@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy  # noqa: E402
 
-from engine.backend_cuda import CudaBackend  # noqa: E402
+from engine.gpu.backend import CudaBackend  # noqa: E402
 from engine.checkpoint import config_json, make_model  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.decode_graph import DecodeGraphs  # noqa: E402
+from engine.gpu.decode_graph import DecodeGraphs  # noqa: E402
 from engine.model import Qwen35Model  # noqa: E402
 from engine.step import Step  # noqa: E402
 from engine.weights import expected_shapes, load_weights  # noqa: E402
@@ -42,6 +42,8 @@ class RandomWeightBackend(CudaBackend):
     placeholder host arrays it is given; vectors are uploaded as given (zeros)."""
 
     def weight(self, arr):
+        if isinstance(arr, list):  # a fused projection: only its shape matters
+            arr = np.broadcast_to(arr[0].reshape(-1)[0], (sum(a.shape[0] for a in arr), *arr[0].shape[1:]))
         if arr.ndim == 2 and arr.dtype == np.uint16:
             x = cupy.random.standard_normal(arr.shape, dtype=cupy.float32)
             x *= np.float32(1.0 / np.sqrt(arr.shape[1]))

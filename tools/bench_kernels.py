@@ -21,8 +21,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.backend_cuda import CudaBackend
-from engine.backend_numpy import Cache
+from engine.gpu.backend import CudaBackend
+from engine.ops import Cache
 from engine.step import Step
 
 COPY_GBS, BF16_TFLOPS = 4300.0, 790.0  # measured H200 ceilings (device README)
@@ -105,7 +105,7 @@ def main(argv=None):
     # Decode GEMMs, linear() (the cuda/gemv.cu path for M <= GEMV_MAX_M) vs cublasLt: 16 back-to-back calls
     # captured in one CUDA graph (as decode runs them; an event pair around one eager call would also
     # time CuPy's launch overhead), cycling over weight copies >= 400 MB in all so W comes from HBM.
-    from engine.gemm import gemm
+    from engine.gpu.gemm import gemm
     for name, N, K in (("in_proj", 12352, H), ("gate_up", 2 * F, H), ("down", H, F), ("qkv", 10240, H),
                        ("o_proj", H, 4096), ("lm_head", V, H)):
         ws = [bits(N, K, scale=K ** -0.5) for _ in range(max(1, -(-400_000_000 // (N * K * 2))))]

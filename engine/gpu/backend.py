@@ -1,5 +1,5 @@
-"""CUDA backend on CuPy: the NumpyBackend op interface, with hand-written kernels (`cuda/*.cu`, NVRTC
-through cupy.RawModule, cached on disk by CuPy) and cublasLt GEMMs (`engine/gemm.py`).
+"""CUDA backend on CuPy: the op interface of engine/ops.py as thin launchers of the cuda/*.cu kernels
+(gpu/kernels.py compiles and loads them) and cublasLt GEMMs (gpu/gemm.py).
 
 Conventions
 - bf16 is stored as raw bits in uint16 arrays (CuPy has no bf16 dtype). Activations are bf16 between
@@ -13,116 +13,33 @@ Conventions
   (HF/FLA layout; a block owns a [dk, 32] column tile, 128-byte rows per warp), paged KV bf16
   [blocks, block_size, nkv, hd] (each token-head row of hd contiguous: 512 B at hd 256, one 16-byte
   load per lane), addressed as flat rows by slot_mapping = block * block_size + offset.
+- Dynamic shared-memory sizes are computed here from the padded row strides the kernels carve their
+  shared memory into (commented at each launch); the constants come from the sources (kernels.define).
 """
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import cupy
 import numpy as np
 
-from .backend_numpy import Cache, argmax_finite
+from ..arrays import bf16_to_f32
+from ..backend_numpy import argmax_finite
+from ..ops import Cache
+from ..step import Step
+from . import kernels
 from .gemm import gemm, get_gemm
-from .step import Step
-
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
-NVRTC_OPTIONS = ("-std=c++17",)
-
-
-def _source(name: str) -> str:
-    """A .cu file with `#include "common.cuh"` inlined, so CuPy's cache key covers the header too."""
-    text = (CUDA_DIR / name).read_text()
-    return re.sub(r'#include\s+"(\w+\.cuh)"', lambda m: (CUDA_DIR / m.group(1)).read_text(), text)
-
-
-_MODULES: dict[str, cupy.RawModule] = {}
-
-
-def _module(name: str, name_expressions=()) -> cupy.RawModule:
-    mod = _MODULES.get(name)
-    if mod is None:
-        mod = cupy.RawModule(code=_source(name), options=NVRTC_OPTIONS, name_expressions=list(name_expressions) or None)
-        _MODULES[name] = mod
-    return mod
-
+from .gemv_plan import GEMV_MAX_M, GEMV_MAX_M_INVARIANT, gemv_nw, gemv_plan
+from .prefill_tiles import PF_ROWS, leading_singles, prefill_tiles
 
 LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
-GDN_DK = (32, 64, 128)
-ATTN_HD = (64, 128, 256)
-ATTN_G = (1, 2, 3, 4, 6, 8)
-GEMV_MAX_M = 16  # linear() runs cuda/gemv.cu (tensor-core GEMV) for 1 <= M <= this, cublasLt above
-# batch_invariant: the GEMV (32- and 64-row variants) up to this many rows, gemm_inv above (same bits)
-GEMV_MAX_M_INVARIANT = 64
-# (MT, R, U, PF) instantiated in cuda/gemv.cu: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per
-# load batch, L2 256-byte prefetch hint on W loads
-GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
-GEMV_KERNELS = [f"gemv_bf16<{mt}, {r}, {u}, {pf}, {f}>" for mt, r, u, pf in GEMV_VARIANTS for f in (0, 1)]
-
-
-def _gemv_nw(N: int, K: int) -> int:
-    """Warps per block of gemv_bf16, i.e. the K slices whose partial sums make up every output: a function
-    of (N, K) only (see _gemv_plan). gemm_inv takes the same number to reproduce gemv_bf16's results."""
-    groups = -(-N // 16)
-    return max(1, min(16, (K // 32) // 4, max(4, -(-2560 // groups))))
-
-
-@functools.lru_cache(maxsize=None)
-def _gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, int]:
-    """(kernel, blocks, warps per block, shared bytes) for cuda/gemv.cu (tuned on an H200 at the 4B
-    shapes, graph-timed). The warps per block NW (the K split, hence the summation order) depend on
-    (N, K) only, never on M, so a row's result is the same in any batch of <= GEMV_MAX_M rows; the
-    variant changes no result.
-    NW: >= ~2560 warps in all (N = 2560 has only 160 row groups: 16 warps), >= 4 steps of 32 k each.
-    Few row groups (NW >= 8) need every block resident at once (one wave): U = 2 at M <= 4 (50 regs,
-    2 blocks of 16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the
-    256-byte L2 prefetch up to M = 8 (74 regs); U = 2 at M = 16 (64 regs, vs 94 for U = 4)."""
-    nw = _gemv_nw(N, K)
-    if M > GEMV_MAX_M:  # batch-invariant decode buckets: x tiles of 32 or 64 rows (one W pass)
-        v = (4, 1, 2, 0) if M <= 32 else (8, 1, 1, 0)
-    elif nw >= 8:
-        v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
-    else:
-        v = (1, 1, 4, 1) if M <= 8 else (2, 1, 2, 0)
-    mt, r, u, pf = v
-    return (f"gemv_bf16<{mt}, {r}, {u}, {pf}, {int(f32_out)}>", -(-N // (16 * r)), nw,
-            nw * 16 * r * 8 * mt * 4)
-
-
-PREFILL_HD = (64, 128, 256)
-CONV_K = (2, 3, 4)  # conv1d_fwd kernel sizes instantiated
-GI_BM, GI_BN = 64, 128  # gemm_inv's tile: x rows x W rows (GI_BM, GI_BN in cuda/gemv.cu)
+GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
+GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
+GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
 # Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
 # the longest context, so a row's partial sums would change with its neighbours)
 INVARIANT_SPLIT_KEYS = 256
-# the template instantiations each file's module is compiled with
-_TEMPLATES = {
-    "gdn.cu": [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state") for d in GDN_DK],
-    "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
-    "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
-    "gemv.cu": GEMV_KERNELS + ["gemm_inv<0>", "gemm_inv<1>"],
-    "conv1d.cu": [f"conv1d_fwd<{k}>" for k in CONV_K],
-}
-_FNS: dict[tuple[str, str], list] = {}  # (file, kernel) -> [function, dynamic shared bytes opted in to]
-
-
-def _fn(file: str, name: str, smem: int = 0):
-    """Kernel `name` of cuda/`file`, looked up once; `smem`: the dynamic shared memory it will be launched
-    with, opted in to (above the 48 KiB default) the first time a launch needs that much."""
-    e = _FNS.get((file, name))
-    if e is None:
-        e = _FNS[(file, name)] = [_module(file, _TEMPLATES.get(file, ())).get_function(name), 0]
-    if smem > e[1]:
-        e[0].max_dynamic_shared_size_bytes = smem
-        e[1] = smem
-    return e[0]
-
-
 i32, i64, f32 = np.int32, np.int64, np.float32
-GDN_CHUNK = 64  # tokens per chunk of the WY prefill form (GDN_C in gdn.cu)
-GDN_STATE_WARPS = 16  # gdn_chunk_state's block (GDN_STATE_WARPS in gdn.cu)
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -155,6 +72,8 @@ class Meta:
 
 class CudaBackend:
     name = "cuda"
+    decode_graphs = True
+    needs_warm_up = True  # GEMM plans, CuPy's own kernels and the memory pool are made at first use
 
     def __init__(self, poison: bool = False, batch_invariant: bool = False):
         self.poison = poison  # tests: fill every fresh output with NaN so unwritten elements show
@@ -162,7 +81,10 @@ class CudaBackend:
         # in gemv_bf16's summation order (gemm_inv), decode attention split at fixed key offsets.
         self.batch_invariant = batch_invariant
         self._inv_freq: dict[tuple, cupy.ndarray] = {}
-        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        dev = cupy.cuda.Device()
+        self.num_sms = dev.attributes["MultiProcessorCount"]
+        self.kernels = kernels.Kernels(dev.compute_capability)
+        self._fn = self.kernels.fn
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
         get_gemm()
@@ -177,11 +99,23 @@ class CudaBackend:
         return a
 
     # ---- weights and state -------------------------------------------------------------
-    def weight(self, arr: np.ndarray) -> cupy.ndarray:
+    def weight(self, arr) -> cupy.ndarray:
+        """A list of bf16 matrices is fused on the device, each part copied into its rows (the host never
+        holds the concatenation: most of the weights are fused)."""
+        if isinstance(arr, list):
+            parts = [np.ascontiguousarray(p) for p in arr]
+            if parts[0].ndim != 2 or any(p.dtype != np.uint16 for p in parts):
+                return self.weight(np.concatenate(parts))
+            out = cupy.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), cupy.uint16)
+            r = 0
+            for p in parts:
+                out[r:r + p.shape[0]].set(p)
+                r += p.shape[0]
+            return out
         arr = np.ascontiguousarray(arr)
         if arr.ndim == 1:
             if arr.dtype == np.uint16:
-                arr = (arr.astype(np.uint32) << 16).view(np.float32)
+                arr = bf16_to_f32(arr)
             return cupy.asarray(arr, dtype=cupy.float32)
         if arr.dtype == np.uint16:
             return cupy.asarray(arr)
@@ -201,6 +135,19 @@ class CudaBackend:
         idx = cupy.asarray(np.asarray(list(slots), np.int64))
         for a in cache.conv + cache.rec:
             a[idx] = 0
+
+    def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
+        """What `utilization` of the device leaves after the weights (already loaded) and a rough reserve
+        for one step's activations and logits."""
+        free, total = cupy.cuda.runtime.memGetInfo()
+        per_token = 4 * (4 * cfg.intermediate_size + 2 * cfg.conv_dim + 8 * cfg.hidden_size)
+        # + the chunked GDN prefill's f32 workspace (W, Qs, Ks, U, P, aux per token and value head)
+        per_token += 4 * cfg.lin_num_v_heads * (3 * cfg.lin_k_dim + cfg.lin_v_dim + GDN_C + 4)
+        logits = 8 * max_num_seqs * cfg.vocab_size
+        return int(free - (1 - utilization) * total - max_num_batched_tokens * per_token - logits)
+
+    def load_kernels(self, cfg) -> None:
+        self.kernels.prefetch(kernels.needed(cfg, self.batch_invariant), report=True)
 
     @staticmethod
     def meta_size(T: int, B: int, n_logits: int, width: int) -> int:
@@ -263,7 +210,7 @@ class CudaBackend:
                 raise ValueError(f"prepare: max_ctx {max_ctx} < longest context {ctx}")
             ctx = int(max_ctx)
         lens = np.diff(step.cu_seqlens)
-        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=_leading_singles(lens))
+        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=leading_singles(lens))
 
     def memory_used(self) -> int:
         return cupy.get_default_memory_pool().used_bytes()
@@ -271,8 +218,7 @@ class CudaBackend:
     def to_host(self, x) -> np.ndarray:
         if isinstance(x, cupy.ndarray):
             if x.dtype == cupy.uint16:
-                h = cupy.asnumpy(cupy.ascontiguousarray(x))
-                return (h.astype(np.uint32) << 16).view(np.float32)
+                return bf16_to_f32(cupy.asnumpy(x))
             return cupy.asnumpy(x).astype(np.float32, copy=False)
         return np.asarray(x, np.float32)
 
@@ -298,7 +244,7 @@ class CudaBackend:
         B, V = x.shape
         out = cupy.empty((B, 2), cupy.int32)
         if B:
-            _fn("argmax.cu", "argmax_finite_kernel")((B,), (512,), (x, i64(x.strides[0] // 4), i32(V), out))
+            self._fn("argmax.cu", "argmax_finite_kernel")((B,), (512,), (x, i64(x.strides[0] // 4), i32(V), out))
         return out
 
     # ---- ops ---------------------------------------------------------------------------
@@ -307,7 +253,7 @@ class CudaBackend:
         assert H % 8 == 0 and table.flags.c_contiguous
         out = self._empty((n, H))
         if n:
-            _fn("embedding.cu", "gather_rows_kernel")((n,), (min(256, max(32, H // 8)),), (idx, table, out, i32(H)))
+            self._fn("embedding.cu", "gather_rows_kernel")((n,), (min(256, max(32, H // 8)),), (idx, table, out, i32(H)))
         return out
 
     def embed(self, table, meta: Meta):
@@ -330,7 +276,7 @@ class CudaBackend:
             assert residual.flags.c_contiguous and residual.shape == x.shape
         res = residual if has_res else x
         if T:
-            _fn("norm.cu", "add_rms_norm_kernel")((T,), (min(256, max(32, ((H // 8 + 31) // 32) * 32)),),
+            self._fn("norm.cu", "add_rms_norm_kernel")((T,), (min(256, max(32, ((H // 8 + 31) // 32) * 32)),),
                                                   (x, res, y, w, i32(H), f32(eps), i32(has_res)))
         return y, res
 
@@ -352,11 +298,11 @@ class CudaBackend:
             out = self._empty((M, N), cupy.float32 if f32_out else cupy.uint16)
             sx = i64(x.strides[0] // 2) if M > 1 else i64(K)
             if small:
-                name, blocks, nw, smem = _gemv_plan(M, N, K, f32_out)
-                _fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
+                name, blocks, nw, smem = gemv_plan(M, N, K, f32_out)
+                self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
             else:
-                _fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
-                                                            (x, sx, w, out, i32(M), i32(N), i32(K), i32(_gemv_nw(N, K))))
+                self._fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
+                                                            (x, sx, w, out, i32(M), i32(N), i32(K), i32(gemv_nw(N, K))))
             return out
         return gemm(x, w, f32_out=f32_out)
 
@@ -370,15 +316,15 @@ class CudaBackend:
         n = T * (F // 8)
         if n:
             grid = min((n + 255) // 256, self.num_sms * 16)
-            _fn("activation.cu", "silu_mul_kernel")((grid,), (256,), (gate_up, sgu, out, i32(T), i32(F)))
+            self._fn("activation.cu", "silu_mul_kernel")((grid,), (256,), (gate_up, sgu, out, i32(T), i32(F)))
         return out
 
     def conv1d(self, x, w, state, meta: Meta):
         """x [T, C] (column view), w bf16 [C, K], state bf16 [slots, K-1, C] updated in place."""
         T, C = x.shape
         K = w.shape[1]
-        if K not in CONV_K:
-            raise ValueError(f"conv1d: kernel size {K} not supported (instantiated: {CONV_K})")
+        if K not in kernels.CONV_K:
+            raise ValueError(f"conv1d: kernel size {K} not supported (instantiated: {kernels.CONV_K})")
         assert C % 8 == 0 and w.dtype == cupy.uint16 and state.dtype == cupy.uint16 and w.flags.c_contiguous
         out = self._empty((T, C))
         if T:
@@ -386,10 +332,10 @@ class CudaBackend:
                 x = cupy.ascontiguousarray(x)  # 16-byte loads: a fused width that is not a multiple of 8 (tiny3)
             sx = _rs(x)
             tt = 1 if meta.max_new <= 1 else 16  # tokens per thread: decode 1, prefill 16 (one x read each)
-            _fn("conv1d.cu", f"conv1d_fwd<{K}>")((-(-C // 1024), -(-T // tt)), (128,),
+            self._fn("conv1d.cu", f"conv1d_fwd<{K}>")((-(-C // 1024), -(-T // tt)), (128,),
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
                                                   i32(T), i32(C), i32(tt)))
-            _fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
+            self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
                                                     (x, sx, state, meta.cu_seqlens, meta.slots, i32(C), i32(K)))
         return out
 
@@ -400,32 +346,32 @@ class CudaBackend:
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
-        assert dk in GDN_DK and dv % 32 == 0 and nv % nk == 0 and state.dtype == cupy.float32
+        assert dk in kernels.GDN_DK and dv % 32 == 0 and nv % nk == 0 and state.dtype == cupy.float32
         assert A_log.dtype == cupy.float32 and dt_bias.dtype == cupy.float32
         out = self._empty((T, nv * dv))
         if not T:
             return out
         nd = meta.n_dec
         if nd:
-            _fn("gdn.cu", f"gdn_recurrent<{dk}>")(
+            self._fn("gdn.cu", f"gdn_recurrent<{dk}>")(
                 (dv // 32, nv, nd), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots, out,
                  i32(nk), i32(nv), i32(dv)))
         if nd == meta.B:
             return out
         cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
-        C = GDN_CHUNK
+        C = GDN_C
         W, Qs, Ks = (self._empty((T, nv, dk), cupy.float32) for _ in range(3))
         U = self._empty((T, nv, dv), cupy.float32)
         P = self._empty((T, nv, C), cupy.float32)
         aux = self._empty((T, nv, 4), cupy.float32)
         n_chunks = -(-meta.max_new // C)
         smem = 4 * (2 * C * (dk + 1) + C * (C + 4) + 2 * C)  # the padded rows of gdn.cu
-        _fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
+        self._fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
         smem = 4 * (2 * dk * 40 + 2 * C * (dk + 4) + C * (dk + 8) + C * (C + 4) + 3 * C * 40)  # padded rows, gdn.cu
-        _fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS,),
+        self._fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS,),
             (W, U, P, Qs, Ks, aux, state, cu, slots, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
@@ -438,7 +384,7 @@ class CudaBackend:
         y = self._empty((T, W))
         rows = T * nh
         if rows:
-            _fn("norm.cu", "gated_rms_norm_kernel")(((rows + 3) // 4,), (128,),
+            self._fn("norm.cu", "gated_rms_norm_kernel")(((rows + 3) // 4,), (128,),
                                                     (o, z, _rs(z), y, w, i32(rows), i32(nh), i32(dv), f32(eps)))
         return y
 
@@ -460,7 +406,7 @@ class CudaBackend:
         gate = cupy.ndarray((T, nh, hd), cupy.uint16, q_gate.data + hd * 2,
                             strides=(int(sqg) * 2, 2 * hd * 2, 2))
         if T:
-            _fn("attention.cu", "attn_prep")(
+            self._fn("attention.cu", "attn_prep")(
                 (T,), (128,),
                 (q_gate, sqg, k, _rs(k), v, _rs(v), q_norm, k_norm, q, k_cache, v_cache, meta.slot_mapping,
                  meta.positions, self._freqs(rotary_dim, theta), i32(nh), i32(nkv), i32(hd), i32(rotary_dim),
@@ -475,7 +421,7 @@ class CudaBackend:
         T, nh, hd = q.shape
         bs, nkv = k_cache.shape[1], k_cache.shape[2]
         G = nh // nkv
-        assert hd in ATTN_HD and G in ATTN_G and q.flags.c_contiguous
+        assert hd in kernels.ATTN_HD and G in kernels.ATTN_G and q.flags.c_contiguous
         if gate.ndim == 2:
             gate = gate.reshape(T, nh, hd)
         sg_t, sg_h = gate.strides[0] // 2, gate.strides[1] // 2
@@ -485,14 +431,15 @@ class CudaBackend:
             return out
         bt = meta.block_tables
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
-        if meta.max_new > 1 and hd in PREFILL_HD and bs & (bs - 1) == 0:
+        if meta.max_new > 1 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0:
             if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
-                meta.prefill_tiles = (G, *_prefill_tiles(meta.step, G))
+                tiles, n_pf_dec = prefill_tiles(meta.step, G)
+                meta.prefill_tiles = (G, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec
                 smem = 5 * PF_ROWS * hd * 2  # a Q tile and two K/V tile pairs of PF_ROWS x hd bf16
-                _fn("attention_prefill.cu", f"attn_prefill<{hd}>", smem)(
+                self._fn("attention_prefill.cu", f"attn_prefill<{hd}>", smem)(
                     (nkv, tiles.shape[0]), (256,),
                     (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
                      i32(nkv), i32(G), i32(bs.bit_length() - 1), f32(hd ** -0.5 * np.log2(np.e)), out),
@@ -512,45 +459,12 @@ class CudaBackend:
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)
         else:
             part_acc = part_ml = out  # unused
-        _fn("attention.cu", f"attn_fwd<{hd}, {G}>")(
+        self._fn("attention.cu", f"attn_fwd<{hd}, {G}>")(
             (nsplit, nkv, n_dec), (128,),
             (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, meta.positions,
              i32(nkv), i32(bs), i32(chunk), f32(hd ** -0.5), out, part_acc, part_ml))
         if nsplit > 1:
-            _fn("attention.cu", "attn_combine")((n_dec * nh,), (128,),
+            self._fn("attention.cu", "attn_combine")((n_dec * nh,), (128,),
                                                 (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
                                                  i32(nsplit)))
         return out
-
-
-# ---- prefill attention work list (attention_prefill.cu) ------------------------------------------------
-PF_ROWS = 64  # query rows (token, q head) per tile: PF_ROWS in attention_prefill.cu
-
-
-def _leading_singles(lens: np.ndarray) -> int:
-    """Sequences before the first without exactly one new token: the step's decodes (they come first)."""
-    other = lens != 1
-    return int(np.argmax(other)) if other.any() else len(lens)
-
-
-def _prefill_tiles(step: Step, G: int):
-    """(tiles, n_dec): n_dec leading single-token sequences (their tokens are rows 0..n_dec-1) stay on
-    attn_fwd; every later sequence with tokens is cut into tiles of PF_ROWS flattened (token, q head of
-    the kv group) rows, listed as (seq, first row, first token, n tokens), most keys first. tiles is None
-    (and n_dec = T) when no sequence has more than one new token."""
-    cu = np.asarray(step.cu_seqlens, np.int64)
-    lens = np.diff(cu)
-    if lens.size == 0 or lens.max() <= 1:
-        return None, int(cu[-1])
-    n_dec = _leading_singles(lens)
-    seqs = np.arange(n_dec, lens.size)
-    seqs = seqs[lens[seqs] > 0]
-    nt = -(-lens[seqs] * G // PF_ROWS)
-    b = np.repeat(seqs, nt)
-    r0 = (np.arange(int(nt.sum())) - np.repeat(np.cumsum(nt) - nt, nt)) * PF_ROWS
-    n = lens[b]
-    keys = np.asarray(step.positions, np.int64)[cu[b]] + (np.minimum(r0 + PF_ROWS, n * G) - 1) // G + 1
-    order = np.argsort(-keys, kind="stable")
-    tiles = np.stack([b, r0, cu[b], n], 1)[order].astype(np.int32)
-    assert tiles.shape[0] < 65536, "grid.y limit"
-    return cupy.asarray(tiles), int(cu[n_dec])

@@ -42,7 +42,7 @@ import dataclasses
 import cupy
 import numpy as np
 
-from .step import Step
+from ..step import Step
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -80,8 +80,8 @@ class DecodeGraphs:
         addresses are baked into the graphs); max_blocks_per_seq: block-table width of every graph
         (the longest context a replay supports is max_blocks_per_seq * block_size). capture_now:
         capture every bucket here (largest first) instead of on first use."""
-        if getattr(model.ops, "name", None) != "cuda":
-            raise ValueError("DecodeGraphs needs the CUDA backend")
+        if not getattr(model.ops, "decode_graphs", False):
+            raise ValueError(f"DecodeGraphs needs a backend that captures CUDA graphs, not {model.ops.name!r}")
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
         self.model, self.ops, self.cache = model, model.ops, cache
