@@ -42,6 +42,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     queue_time: float | None = None    # seconds from arrival to admission; on the first token's event
+    cached_tokens: int | None = None   # prompt tokens restored from the prefix cache (None: caching off)
 
 
 class StopStringBuffer:
