@@ -57,7 +57,8 @@ def plan_cache(model, a: EngineArgs, max_model_len: int) -> CachePlan:
         num_snapshots = a.num_state_snapshots
         if num_snapshots is None:
             running_kv = (a.num_kv_blocks if a.num_kv_blocks is not None else useful) * block_bytes
-            num_snapshots = default_num_snapshots(a.max_num_seqs, slot_bytes, budget - num_slots * slot_bytes - running_kv)
+            spare = budget - num_slots * slot_bytes - running_kv
+            num_snapshots = default_num_snapshots(a.max_num_seqs, slot_bytes, spare)
         if num_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {num_snapshots}")
     num_blocks = a.num_kv_blocks
