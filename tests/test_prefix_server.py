@@ -2,7 +2,10 @@
 with --enable-prefix-caching gives, turn by turn, the replies of a server with caching off; its usage
 carries prompt_tokens_details.cached_tokens (the cold server's has none), /metrics counts vLLM's
 prefix_cache_queries / hits in tokens, and every held block and snapshot is free again at the end.
-CPU: the tiny model; marked gpu: the 4B checkpoint (the servers run one after the other)."""
+CPU: the tiny model; marked gpu: the 4B checkpoint, both servers --batch-invariant (the replies are
+then bit-exact whatever the cache does; by default bf16 noise may flip a greedy token on the random
+checkpoint, which tests/test_prefix_engine.py bounds with the logits). The servers run one after the
+other."""
 from __future__ import annotations
 
 import httpx
@@ -28,11 +31,12 @@ def _chat(url, messages):
 
 def test_five_turn_chat_equals_cold(target):
     model_dir, device = target
+    args = ARGS + (("--batch-invariant",) if device == "cuda" else ())
     rng = np.random.default_rng(16)
     users = [_words(rng, 12) for _ in range(5)]
     system = {"role": "system", "content": _words(rng, 30)}
     turns, replies, usages = [], [], []
-    with ServerProcess(model_dir, "--enable-prefix-caching", *ARGS, device=device) as warm:
+    with ServerProcess(model_dir, "--enable-prefix-caching", *args, device=device) as warm:
         messages = [system]
         for text in users:
             messages = messages + [{"role": "user", "content": text}]
@@ -55,7 +59,7 @@ def test_five_turn_chat_equals_cold(target):
     # on every turn hits, deeper each time.
     assert cached[0] == 0 and all(0 < c < u["prompt_tokens"] for c, u in zip(cached[2:], usages[2:]))
     assert cached == sorted(cached)
-    with ServerProcess(model_dir, *ARGS, device=device) as cold:
+    with ServerProcess(model_dir, *args, device=device) as cold:
         for messages, reply, usage in zip(turns, replies, usages):
             got, cold_usage = _chat(cold.url, messages)
             assert "prompt_tokens_details" not in cold_usage       # caching off: no such field
