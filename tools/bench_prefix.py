@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -197,6 +198,9 @@ def main(argv=None) -> list[dict]:
         finally:
             eng.shutdown()
             del eng
+            gc.collect()
+            if "cupy" in sys.modules:  # the second engine plans its memory from what the device has free
+                sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
     print(_table(rows))
     if a.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
