@@ -39,22 +39,19 @@ first (abort, error) has its reservations discarded by `release`, a failed step'
 nothing half-computed is ever found. Pool full: the save is skipped (and no chunk cut); a request that
 finds no snapshot is served cold.
 
-Phase 2 wiring (after issue #18's refactor):
-  - engine: `EngineArgs.enable_prefix_caching` (`--enable-prefix-caching` / `--no-enable-prefix-caching`)
-    and `num_state_snapshots` (default `state_snapshots.default_num_snapshots`, in the memory plan line);
-    `alloc_cache(num_slots + n, ...)`, `SnapshotPool(first_id=num_slots, count=n)`,
-    `PrefixCache(kv, pool, chunk=GDN_CHUNK, min_tail=2 if batch_invariant else 1)`, `Scheduler(..., prefix=)`.
-  - engine.step: `scheduler.plan` (the Plan of the batch schedule() returned) goes to `runner.forward`
-    and stays with the launched step; once a step's forward is known complete (its sampling or a later
-    one collected), `prefix.commit(plan)`, before that step's tokens can finish requests; a failed step:
-    `prefix.abandon(plan)`. A hit's first chunk starts at `num_computed == cached_tokens > 0`: the
-    `num_computed == 0` tests (the `_pending` count, the runner's fresh slots) become `== req.cached_tokens`.
-  - runner.forward: zero the fresh slots (cached_tokens == 0), `ops.copy_slots(cache, *plan.restore_ids)`,
-    the forward (eager or graph), then `ops.copy_slots(cache, *plan.save_ids)`, all in stream order.
-  - both backends: `copy_slots(cache, src_ids, dst_ids)`: conv[l][dst] = conv[l][src] and rec[l][dst] =
-    rec[l][src] for every GDN layer (CUDA: one launch over all layers).
-  - `req.cached_tokens` -> `usage.prompt_tokens_details.cached_tokens`; `prefix.queries` / `prefix.hits`
-    (tokens, as vLLM counts them) -> `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`.
+How the engine drives it (docs/architecture.md, "Prefix caching"):
+  - engine.py builds it when `enable_prefix_caching` (`--enable-prefix-caching`): `SnapshotPool(first_id=
+    num_slots, count=num_state_snapshots)` over cache rows after the slots (memory.py plans them),
+    min_tail 2 when batch-invariant.
+  - each step's `scheduler.plan` goes to `runner.forward`, which copies (`ops.copy_slots`) the restores
+    before the forward and the saves after it (eager or a decode graph's replay), in stream order; the
+    engine commits a plan once a sampling launched after its forward is collected, before that
+    sampling's tokens can finish requests, and abandons the plans of a failed step.
+  - a hit's first chunk starts at `num_computed == cached_tokens > 0` (restored, not zeroed); events carry
+    `cached_tokens` (-> usage.prompt_tokens_details.cached_tokens); `queries` / `hits` (tokens, as vLLM
+    counts them) -> `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`.
+  - the runner asserts every save is at its chunk end: cut_chunks=False needs kernels that write the
+    state at requested positions, not written yet.
 """
 from __future__ import annotations
 
