@@ -162,6 +162,10 @@ class NumpyBackend:
         for a in cache.conv + cache.rec:
             a[list(slots)] = 0.0
 
+    def copy_slots(self, cache: Cache, src, dst) -> None:
+        for a in cache.conv + cache.rec:
+            a[list(dst)] = a[list(src)]
+
     def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
         return CPU_CACHE_BUDGET
 
