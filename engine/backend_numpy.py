@@ -8,6 +8,7 @@ places the classic bugs of spec §13 live; the parity tests patch them to prove 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -128,6 +129,13 @@ class NumpyBackend:
     needs_warm_up = False
     batch_invariant = False  # NumPy's matmul may sum in an order that depends on M
 
+    def __init__(self) -> None:
+        self._held: list[weakref.ref] = []  # the weight and cache arrays allocated here (memory_used)
+
+    def _hold(self, a: np.ndarray) -> np.ndarray:
+        self._held = [r for r in self._held if r() is not None] + [weakref.ref(a)]
+        return a
+
     # ---- weights and state -------------------------------------------------------------
     def weight(self, arr) -> np.ndarray:
         """Checkpoint array (bf16 bits as uint16, or f32), or a list of them to concatenate (rows)
@@ -135,12 +143,14 @@ class NumpyBackend:
         if isinstance(arr, list):
             arr = np.concatenate(arr)
         if arr.dtype == np.uint16:
-            return bf16_to_f32(arr)
-        return np.ascontiguousarray(arr, np.float32)
+            return self._hold(bf16_to_f32(arr))
+        out = np.ascontiguousarray(arr, np.float32)
+        # a contiguous f32 checkpoint array comes back as a view of the memory-mapped file: not ours
+        return out if np.may_share_memory(out, arr) else self._hold(out)
 
     def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
         nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
-        z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        z = lambda *s: self._hold(np.zeros(s, np.float32))  # noqa: E731
         return Cache(
             conv=[z(num_slots, cfg.conv_kernel - 1, cfg.conv_dim) for _ in range(nlin)],
             rec=[z(num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim) for _ in range(nlin)],
@@ -151,6 +161,10 @@ class NumpyBackend:
     def reset_slots(self, cache: Cache, slots) -> None:
         for a in cache.conv + cache.rec:
             a[list(slots)] = 0.0
+
+    def copy_slots(self, cache: Cache, src, dst) -> None:
+        for a in cache.conv + cache.rec:
+            a[list(dst)] = a[list(src)]
 
     def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
         return CPU_CACHE_BUDGET
@@ -170,7 +184,8 @@ class NumpyBackend:
         return Meta(step, (blocks * bs + step.positions % bs).astype(np.int64))
 
     def memory_used(self) -> int:
-        return 0  # host memory is not the scarce resource here
+        """Bytes held in live weight and cache arrays allocated by this backend (not step activations)."""
+        return sum(a.nbytes for a in (r() for r in self._held) if a is not None)
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x, np.float32)

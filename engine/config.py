@@ -181,3 +181,5 @@ class EngineArgs:
     enforce_eager: bool = False               # CUDA: no decode-step graphs
     batch_invariant: bool = False             # CUDA: a request's tokens independent of its batch (slower prefill)
     trace_steps: str | None = None            # JSONL path: one line per step (kind, sizes, timings)
+    enable_prefix_caching: bool = False       # shared KV blocks + GDN state snapshots (prefix_cache.py)
+    num_state_snapshots: int | None = None    # snapshot pool size with prefix caching (default: memory.py)

@@ -24,12 +24,14 @@ from .kv_blocks import DUMMY_BLOCK, KVBlockManager
 from .memory import plan_cache
 from .model import Qwen35Model
 from .ops import make_backend
+from .prefix_cache import Plan, PrefixCache
 from .request import Request, RequestOutput, Status, StopStringBuffer
 from .runner import ForwardInFlight, ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import AdmissionError, OverloadedError, Scheduler
 from .state_slots import DUMMY_SLOT, StateSlotPool
+from .state_snapshots import SnapshotPool
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .trace import StepTrace
 from .weights import load_weights
@@ -57,7 +59,14 @@ class EngineStats:
     prompt_tokens: int = 0                    # prefill tokens computed
     generation_tokens: int = 0
     finished: dict = field(default_factory=dict)  # finish_reason -> count
-    device_memory_used: int = 0               # bytes the backend holds in live arrays (0 on the CPU)
+    device_memory_used: int = 0               # bytes the backend holds in live arrays
+    # prefix caching (all 0 when it is off)
+    prefix_cache_queries: int = 0             # prompt tokens of admitted requests (vLLM's count)
+    prefix_cache_hits: int = 0                # of which restored from the cache
+    kv_blocks_cached: int = 0                 # published KV blocks, held or free
+    state_snapshots_used: int = 0             # reserved or pinned by running requests
+    state_snapshots_cached: int = 0           # published
+    state_snapshots_total: int = 0
 
 
 class RequestStream:
@@ -110,13 +119,21 @@ class Engine:
         plan = plan_cache(model, a, max_len)
         self.kv = KVBlockManager(plan.num_blocks, a.block_size)
         self.slots = StateSlotPool(plan.num_slots)
+        self.prefix = None
+        if a.enable_prefix_caching:
+            # min_tail 2 when batch-invariant: no hit and no cut never leaves a one-token last chunk
+            self.prefix = PrefixCache(self.kv, SnapshotPool(plan.num_slots, plan.num_snapshots), chunk=GDN_CHUNK,
+                                      min_tail=2 if a.batch_invariant else 1)
         self.scheduler = Scheduler(self.kv, self.slots, max_model_len=max_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens,
                                    max_waiting_requests=a.max_waiting_requests,
                                    # the GDN chunk: prompt chunks then keep the chunked form's boundaries
-                                   chunk_align=GDN_CHUNK if a.batch_invariant else 1)
-        cache = model.alloc_cache(plan.num_slots, self.kv.num_blocks, a.block_size)
+                                   chunk_align=GDN_CHUNK if a.batch_invariant else 1, prefix=self.prefix)
+        cache = model.alloc_cache(plan.num_slots + plan.num_snapshots, self.kv.num_blocks, a.block_size)
         log.info(plan.describe(backend.name, model.weight_bytes(), a))
+        if self.prefix is not None and not plan.num_snapshots:
+            log.warning("prefix caching is on but the memory plan left no GDN state snapshots: every request is "
+                        "served cold (give --num-state-snapshots)")
         self.runner = ModelRunner(model, cache, Sampler(a.seed))
         if backend.needs_warm_up:
             self.runner.warm_up(min(a.max_num_batched_tokens, max_len))
@@ -141,6 +158,9 @@ class Engine:
         self._trace = StepTrace(a.trace_steps, backend) if a.trace_steps else None
         self.runner.timing = self._trace is not None
         self._inflight = None                      # the sampling on the device, collected next step()
+        # prefix caching: the Plans of launched forwards, published (commit) once known complete
+        self._launched_plans: list[Plan] = []      # not covered by a sampling yet
+        self._inflight_plans: list[Plan] = []      # complete when self._inflight is collected
         self._step_trace = None                    # (line, forward marks) of the last launched step
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
@@ -198,11 +218,17 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot: gauges read now, counters since start (safe from any thread)."""
-        return replace(self._stats, running=len(self.scheduler.running), waiting=self._pending,
-                       kv_blocks_free=self.kv.num_free, kv_blocks_used=self.kv.num_used,
-                       kv_blocks_total=self.kv.capacity, state_slots_free=self.slots.num_free,
-                       state_slots_total=self.slots.capacity, finished=dict(self._stats.finished),
-                       device_memory_used=self.runner.model.ops.memory_used())
+        s = replace(self._stats, running=len(self.scheduler.running), waiting=self._pending,
+                    kv_blocks_free=self.kv.num_free, kv_blocks_used=self.kv.num_used,
+                    kv_blocks_total=self.kv.capacity, state_slots_free=self.slots.num_free,
+                    state_slots_total=self.slots.capacity, finished=dict(self._stats.finished),
+                    device_memory_used=self.runner.model.ops.memory_used())
+        if self.prefix is not None:
+            p = self.prefix
+            s = replace(s, prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
+                        kv_blocks_cached=self.kv.num_cached, state_snapshots_used=p.snaps.num_used, state_snapshots_cached=p.snaps.num_cached,
+                        state_snapshots_total=p.snaps.capacity)
+        return s
 
     def shutdown(self) -> None:
         self._stop = True
@@ -253,6 +279,8 @@ class Engine:
         info = None
         if batch and self._trace is not None:
             info = StepTrace.begin(batch, t0, t1, (t0 - self._last_step_end) * 1e3 if self._inflight is None else 0.0)
+            if self.prefix is not None:  # the state copies around its forward (their time is in gpu_ms)
+                info.update(restores=len(self.scheduler.plan.restore), saves=len(self.scheduler.plan.save))
         launched, error = self._launch(batch) if batch else (None, None)   # 2. run: step n+1 enqueued
         t2 = time.perf_counter()
         self._flush(t0 if batch else None)                                  # 3. postprocess step n
@@ -269,13 +297,17 @@ class Engine:
         self._last_step_end = time.perf_counter()
 
     def _launch(self, batch) -> tuple[ForwardInFlight | None, Exception | None]:
-        with self._lock:
-            self._pending -= sum(1 for req, _ in batch if req.num_computed == 0)
+        with self._lock:  # a request's first chunk starts at its cached tokens (0 without a prefix hit)
+            self._pending -= sum(1 for req, _ in batch if req.num_computed == req.cached_tokens)
+        plan = self.scheduler.plan if self.prefix is not None else None
         try:
-            launched = self.runner.forward(batch, self._inflight)
+            launched = self.runner.forward(batch, self._inflight, plan)
         except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
+            self._abandon([plan])
             self._fail_step([req for req, _ in batch], e)
             return None, e
+        if plan is not None:
+            self._launched_plans.append(plan)
         for req, n in batch:
             self.scheduler.advance(req, n)
             self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
@@ -286,8 +318,11 @@ class Engine:
         try:
             self._inflight = self.runner.sample(launched)
         except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
+            self._abandon([launched.plan])
             self._fail_step([req for req, _ in launched.batch], e)
             return e
+        # this sampling completes after every forward launched so far (one stream)
+        self._inflight_plans, self._launched_plans = self._launched_plans, []
         for req in self._inflight.requests:
             req.pending = 1
         return None
@@ -304,14 +339,18 @@ class Engine:
         """Waits for the sampling in flight and delivers its tokens. Returns (ms waiting for the device,
         ms delivering, the sampling's device marks) for the step trace."""
         self._inflight = None
+        plans, self._inflight_plans = self._inflight_plans, []
         t0 = time.perf_counter()
         try:
             results = self.runner.collect(sampling)
         except Exception as e:  # noqa: BLE001 - the device failed the step
             for req in sampling.requests:
                 req.pending = 0
+            self._abandon(plans)
             self._fail_step(sampling.requests, e)
             return (time.perf_counter() - t0) * 1e3, 0.0, ()
+        for plan in plans:  # publish what those forwards computed before their tokens can end requests
+            self.prefix.commit(plan)
         t1 = time.perf_counter()
         for req, res in results:
             req.pending = 0
@@ -322,6 +361,12 @@ class Engine:
             else:
                 self._on_token(req, res)
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
+
+    def _abandon(self, plans) -> None:
+        """Steps that failed, or may have: their requests publish nothing more (prefix_cache.py)."""
+        for plan in plans:
+            if plan is not None:
+                self.prefix.abandon(plan)
 
     def _fail_step(self, reqs, e: Exception) -> None:
         """A whole step failed: ends each of its requests still running with an error naming it."""
@@ -384,6 +429,8 @@ class Engine:
         self._emit(req, out)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
+        if self.prefix is not None:
+            out.cached_tokens = req.cached_tokens
         try:
             req.sink(out)
         except Exception as e:  # noqa: BLE001 - a broken consumer must not take the loop down

@@ -1,15 +1,21 @@
-"""The start-up memory plan: how many GDN state slots and KV blocks the cache gets.
+"""The start-up memory plan: how many GDN state slots, state snapshots and KV blocks the cache gets.
 
 State slots (one per sequence + the dummy) are reserved first; KV gets what the budget leaves, but
 never more blocks than max_num_seqs sequences of max_model_len could use at once. The budget is
 `kv_cache_memory` when given, else the backend's (`Backend.cache_budget`: on the GPU what
 gpu_memory_utilization leaves after the weights and one step's activations).
+
+With prefix caching the snapshot pool (rows of the same state arrays, after the slots) comes next,
+`num_state_snapshots` or state_snapshots.default_num_snapshots of the memory the running set's KV
+leaves, and the KV blocks then take all the rest: past what running sequences can use, a block is a
+cached prefix.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .config import EngineArgs
+from .state_snapshots import default_num_snapshots
 
 
 @dataclass
@@ -18,13 +24,17 @@ class CachePlan:
     num_blocks: int
     slot_bytes: int
     block_bytes: int
+    num_snapshots: int = 0    # state rows after the slots (prefix caching), each slot_bytes
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)
+        caching = (f"prefix caching: {self.num_snapshots} state snapshots x {self.slot_bytes * mib:.1f} MiB = "
+                   f"{self.num_snapshots * self.slot_bytes * gib:.2f} GiB" if a.enable_prefix_caching
+                   else "prefix caching off")
         return (f"memory plan ({backend_name}): weights {weight_bytes * gib:.2f} GiB; step activations for "
                 f"{a.max_num_batched_tokens} tokens; {self.num_slots} state slots x {self.slot_bytes * mib:.1f} MiB "
                 f"= {self.num_slots * self.slot_bytes * gib:.2f} GiB; {self.num_blocks} KV blocks x {a.block_size} "
-                f"tokens = {self.num_blocks * self.block_bytes * gib:.2f} GiB")
+                f"tokens = {self.num_blocks * self.block_bytes * gib:.2f} GiB; {caching}")
 
 
 def unit_bytes(model, block_size: int) -> tuple[int, int]:
@@ -37,12 +47,23 @@ def unit_bytes(model, block_size: int) -> tuple[int, int]:
 def plan_cache(model, a: EngineArgs, max_model_len: int) -> CachePlan:
     num_slots = a.max_num_seqs + 1
     slot_bytes, block_bytes = unit_bytes(model, a.block_size)
+    useful = a.max_num_seqs * -(-max_model_len // a.block_size) + 1  # what running sequences can use at once
+    need_budget = a.num_kv_blocks is None or (a.enable_prefix_caching and a.num_state_snapshots is None)
+    budget = a.kv_cache_memory
+    if budget is None and need_budget:
+        budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs, a.gpu_memory_utilization)
+    num_snapshots = 0
+    if a.enable_prefix_caching:
+        num_snapshots = a.num_state_snapshots
+        if num_snapshots is None:
+            running_kv = (a.num_kv_blocks if a.num_kv_blocks is not None else useful) * block_bytes
+            spare = budget - num_slots * slot_bytes - running_kv
+            num_snapshots = default_num_snapshots(a.max_num_seqs, slot_bytes, spare)
+        if num_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {num_snapshots}")
     num_blocks = a.num_kv_blocks
     if num_blocks is None:
-        budget = a.kv_cache_memory
-        if budget is None:
-            budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs,
-                                            a.gpu_memory_utilization)
-        useful = a.max_num_seqs * -(-max_model_len // a.block_size) + 1  # more could never be used at once
-        num_blocks = min((budget - num_slots * slot_bytes) // block_bytes, useful)
-    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes)
+        num_blocks = (budget - (num_slots + num_snapshots) * slot_bytes) // block_bytes
+        if not a.enable_prefix_caching:
+            num_blocks = min(num_blocks, useful)
+    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots))

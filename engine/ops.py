@@ -20,8 +20,8 @@ from .step import Step
 @dataclass
 class Cache:
     """Per-sequence state of every layer: GDN conv and recurrent state by slot, paged KV by block."""
-    conv: list[Any]  # per GDN layer [slots, K-1, conv_dim] (bf16 on the GPU)
-    rec: list[Any]   # per GDN layer [slots, nv, dk, dv], f32
+    conv: list[Any]  # per GDN layer [rows, K-1, conv_dim] (bf16 on the GPU); rows: slots, then snapshots
+    rec: list[Any]   # per GDN layer [rows, nv, dk, dv], f32
     k: list[Any]     # per attention layer [blocks, block_size, nkv, hd]
     v: list[Any]
     block_size: int
@@ -42,6 +42,11 @@ class Backend(Protocol):
 
     def reset_slots(self, cache: Cache, slots: list[int]) -> None:
         """Zero the conv and recurrent state of these slots (a sequence's first chunk)."""
+
+    def copy_slots(self, cache: Cache, src: list[int], dst: list[int]) -> None:
+        """conv[l][dst[i]] = conv[l][src[i]] and rec[l][dst[i]] = rec[l][src[i]] for every GDN layer l, in
+        stream order (prefix caching: a snapshot restored into a slot, a slot saved into a snapshot;
+        snapshots are rows after the slots, state_snapshots.py). src and dst are disjoint."""
 
     def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
         """Bytes the state slots and KV blocks may take, after the weights (already loaded) and a

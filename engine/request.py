@@ -1,7 +1,9 @@
 """A request's state inside the engine, and the events it emits.
 
 KV blocks, the state slot and `num_computed` (the position the sequence has reached) are one
-unit: the scheduler allocates them together at admission and frees them together at the end.
+unit: the scheduler allocates them together at admission and frees them together at the end. A
+prefix-cache hit starts the unit at `num_computed = cached_tokens`: shared blocks, and a slot the
+runner fills from a snapshot (prefix_cache.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     queue_time: float | None = None    # seconds from arrival to admission; on the first token's event
+    cached_tokens: int | None = None   # prompt tokens restored from the prefix cache (None: caching off)
 
 
 class StopStringBuffer:
@@ -94,6 +97,7 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0           # tokens whose KV and recurrent state are in the cache
+    cached_tokens: int = 0          # prompt tokens restored from the prefix cache at admission
     pending: int = 0                # 1 while its latest token is sampled on the device, not yet seen here
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)

@@ -15,6 +15,7 @@ import numpy as np
 
 from .arrays import HostCopy, array_module, as_f32, take_rows
 from .kv_blocks import DUMMY_BLOCK
+from .prefix_cache import Plan
 from .request import Request, Status
 from .sampler import DrawInFlight, RowParams, Sampler, is_argmax
 from .state_slots import DUMMY_SLOT
@@ -34,6 +35,7 @@ class ForwardInFlight:
     sampled: list[Request]   # the requests of the logits rows, in order
     logits: object           # [len(sampled), vocab] on the backend's device
     marks: tuple = ()        # (start, end) device marks when timing
+    plan: Plan | None = None  # prefix caching: its state copies, published once it is complete
 
 
 @dataclass
@@ -69,9 +71,12 @@ class ModelRunner:
         step = Step.build([([0], num_tokens, DUMMY_SLOT, blocks)], feed=(np.zeros(1, np.int64), tokens))
         self.ops.to_host(self.ops.argmax_finite(as_f32(self.model.forward(step, self.cache))))
 
-    def forward(self, batch: list[tuple[Request, int]], prev: SamplingInFlight | None) -> ForwardInFlight:
+    def forward(self, batch: list[tuple[Request, int]], prev: SamplingInFlight | None,
+                plan: Plan | None = None) -> ForwardInFlight:
         """Launches the step. prev: the sampling in flight, whose tokens feed the decodes of requests
-        with a pending token."""
+        with a pending token. plan: prefix caching's state copies, in stream order around the forward:
+        snapshots restored into the slots of hits before it, slots saved into snapshots after it (every
+        save is at its request's chunk end: the scheduler cuts chunks there)."""
         fresh = [req.slot for req, _ in batch if req.num_computed == 0]
         if fresh:  # a sequence's first chunk: its (possibly reused) slot starts from zero state
             self.ops.reset_slots(self.cache, fresh)
@@ -94,13 +99,19 @@ class ModelRunner:
             xp = array_module(prev.tokens)
             feed = (np.array(dst, np.int64), prev.tokens if same else prev.tokens[xp.asarray(src_rows)])
         step = Step.build(chunks, want, feed)
-        start = self.ops.mark() if self.timing else None
+        start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
+        if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
+            self.ops.copy_slots(self.cache, *plan.restore_ids)
         if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
             logits = self.graphs.run(step)  # every sequence decodes one token
         else:
             logits = self.model.forward(step, self.cache)
+        if plan is not None and plan.save:
+            ends = {req.slot: end for req, end in plan.ends}
+            assert all(ends[slot] == pos for slot, _, pos in plan.save), "a save inside a chunk (cut_chunks=False)"
+            self.ops.copy_slots(self.cache, *plan.save_ids)
         marks = (start, self.ops.mark()) if self.timing else ()
-        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks)
+        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan)
 
     def sample(self, launched: ForwardInFlight) -> SamplingInFlight:
         """Launches the sampling of the step's requests that are still running (one finished while the

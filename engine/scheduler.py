@@ -8,6 +8,11 @@ requests are admitted strictly FCFS: the head waits until it fits, later ones wa
 A request's latest token may still be pending (sampled on the device, not yet seen by the host:
 engine.py overlaps the host's work with the next forward); it is scheduled like any other, except
 when that token is its last (max_tokens).
+
+With a PrefixCache (prefix_cache.py) admission first looks the prompt up: a hit starts the request
+at num_computed = cached_tokens with the hit's blocks shared, and reserves only the blocks it does
+not share (cached blocks no request holds count as free, so taking them counts too). Prompt chunks
+end at the positions whose state the request saves; `plan` holds the step's state copies.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import time
 from collections import deque
 
 from .kv_blocks import KVBlockManager
+from .prefix_cache import Plan, PrefixCache
 from .request import Request, Status
 from .state_slots import StateSlotPool
 
@@ -29,15 +35,20 @@ class OverloadedError(RuntimeError):
 
 class Scheduler:
     def __init__(self, kv: KVBlockManager, slots: StateSlotPool, *, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_waiting_requests: int, chunk_align: int = 1):
+                 max_num_batched_tokens: int, max_waiting_requests: int, chunk_align: int = 1,
+                 prefix: PrefixCache | None = None):
         """chunk_align: a prompt cut into chunks is cut at multiples of this many tokens, never leaving a
         last chunk of one token (a batch-invariant engine passes the GDN chunk, 64: a prompt then takes
-        the same kernels and chunk boundaries however the budget splits it)."""
+        the same kernels and chunk boundaries however the budget splits it).
+        prefix: prefix caching over kv (None: off, and nothing here changes)."""
         if chunk_align > 1 and max_num_batched_tokens < max_num_seqs + 2 * chunk_align:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}) + {2 * chunk_align} when prompts are cut at multiples of "
                              f"{chunk_align} tokens (batch_invariant), so a chunk always fits beside the decodes")
-        self.kv, self.slots, self.chunk_align = kv, slots, chunk_align
+        if prefix is not None and prefix.kv is not kv:
+            raise ValueError("the prefix cache must own the scheduler's KV block manager")
+        self.kv, self.slots, self.chunk_align, self.prefix = kv, slots, chunk_align, prefix
+        self.plan: Plan | None = None  # prefix caching: the state copies of the batch schedule() returned
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.max_num_batched_tokens, self.max_waiting_requests = max_num_batched_tokens, max_waiting_requests
         self.waiting: deque[Request] = deque()
@@ -64,6 +75,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.check_fits(len(req.prompt_ids), req.max_tokens)
+        if self.prefix is not None:
+            self.prefix.track(req)
         self.waiting.append(req)
 
     def schedule(self) -> list[tuple[Request, int]]:
@@ -74,21 +87,34 @@ class Scheduler:
         for req in self.running:
             n = req.num_tokens - req.num_computed
             if n == 1 and budget > 0 and not req.at_limit:
-                decodes.append((req, 1))
+                decodes.append((req, self._take(req, 1, budget)))
                 budget -= 1
         for req in self.running:
             n = req.num_tokens - req.num_computed
             if n > 1 and budget > 0:
-                take = self._chunk(n, budget)
+                take = self._take(req, n, budget)
                 if not take:
-                    return decodes + prefills  # FCFS: nothing overtakes a prefill that must wait
+                    return self._planned(decodes + prefills)  # FCFS: nothing overtakes a prefill that must wait
                 prefills.append((req, take))
                 budget -= take
-        while self.waiting and self._chunk(self.waiting[0].num_tokens, budget) and self._admit(self.waiting[0]):
+        while self.waiting and self._admit(self.waiting[0], budget):
             req = self.waiting.popleft()
-            prefills.append((req, self._chunk(req.num_tokens, budget)))
+            prefills.append((req, self._take(req, req.num_tokens - req.num_computed, budget)))
             budget -= prefills[-1][1]
-        return decodes + prefills
+        return self._planned(decodes + prefills)
+
+    def _planned(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        if self.prefix is not None:
+            self.plan = self.prefix.plan(batch)
+        return batch
+
+    def _take(self, req: Request, n: int, budget: int) -> int:
+        """Tokens of req's n left to compute that go in this step: the budget's cut, or an earlier one at
+        a position whose state the prefix cache saves."""
+        take = self._chunk(n, budget)
+        if take and self.prefix is not None:
+            take = self.prefix.cut(req, take)
+        return take
 
     def _chunk(self, n: int, budget: int) -> int:
         """Tokens of an n-token prefill that fit in budget (0: none this step)."""
@@ -100,11 +126,21 @@ class Scheduler:
             take -= a
         return max(take, 0)
 
-    def _admit(self, req: Request) -> bool:
-        need = self.kv.blocks_for(req.lifetime_tokens)
-        if len(self.running) >= self.max_num_seqs or not self.slots.num_free or need > self.kv.num_free:
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Admits the head if its first chunk fits the budget and its whole lifetime fits the pools."""
+        m = self.prefix.match(req) if self.prefix is not None else None
+        cached, shared = (m.tokens, m.blocks) if m is not None else (0, [])
+        if not self._chunk(req.num_tokens - cached, budget):
             return False
-        req.slot, req.block_ids = self.slots.allocate(), self.kv.allocate(need)
+        need = self.kv.blocks_for(req.lifetime_tokens) - len(shared)
+        if (len(self.running) >= self.max_num_seqs or not self.slots.num_free
+                or need + self.kv.num_idle(shared) > self.kv.num_free):
+            return False
+        # shared first: allocate() may evict idle cached blocks, never the ones just taken
+        req.slot, req.block_ids = self.slots.allocate(), self.kv.share(shared) + self.kv.allocate(need)
+        req.num_computed = req.cached_tokens = cached
+        if self.prefix is not None:
+            self.prefix.admit(req, m)
         req.status = Status.RUNNING
         req.scheduled_at = time.monotonic()
         self.running.append(req)
@@ -114,7 +150,10 @@ class Scheduler:
         req.num_computed += num_new
 
     def finish(self, req: Request) -> None:
-        """Drops the request wherever it is and frees its blocks and slot together."""
+        """Drops the request wherever it is and frees its blocks and slot together (cached blocks stay
+        findable; the prefix cache discards what the request had not published)."""
+        if self.prefix is not None:
+            self.prefix.release(req)
         if req.status is Status.WAITING:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:

@@ -24,12 +24,14 @@ class ChoiceState:
     def __init__(self, index: int, tokenizer, thinking: bool | None):
         self.index, self.tokenizer = index, tokenizer
         self.num_tokens = 0
+        self.cached_tokens = None  # prompt tokens the engine's prefix cache served (None: caching off)
         self.finished = False
         self.splitter = None if thinking is None else ReasoningSplitter(thinking)
 
     def update(self, out) -> Delta:
         """out: an engine RequestOutput (one step's delta, or the final event)."""
         self.num_tokens = max(self.num_tokens, out.completion_tokens)
+        self.cached_tokens = out.cached_tokens
         self.finished = out.finished
         d = Delta(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason if out.finished else None,
                   stop_reason=out.stop_reason,

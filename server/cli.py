@@ -45,11 +45,17 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-invariant", action="store_true", default=None,
                     help="a request's output independent of its batch neighbours (CUDA: slower prefill)")
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="append one JSON line per engine step")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the KV and GDN state of cached prompt prefixes (default: off)")
+    ap.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
+                    help="GDN state snapshots kept for prefix caching (default: 4 per sequence, at most half the "
+                         "memory the running sequences' KV leaves)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
-            "max_logprobs", "gpu_memory_utilization", "enforce_eager", "batch_invariant", "trace_steps")
+            "max_logprobs", "gpu_memory_utilization", "enforce_eager", "batch_invariant", "trace_steps",
+            "enable_prefix_caching", "num_state_snapshots")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 

@@ -73,10 +73,18 @@ def gauges(engine) -> dict[str, tuple[str, float]]:
         "qwen35:state_slots_free": ("Free GDN state slots.", s.state_slots_free),
         "qwen35:state_slots_total": ("GDN state slots usable by requests.", s.state_slots_total),
         "qwen35:device_memory_used_bytes": ("Memory held by the backend's live arrays.", s.device_memory_used),
+        "qwen35:kv_blocks_cached": ("KV blocks holding a cached prefix, in use or free (prefix caching).",
+                                    s.kv_blocks_cached),
+        "qwen35:state_snapshots_used": ("GDN state snapshots held by running requests (prefix caching).",
+                                        s.state_snapshots_used),
+        "qwen35:state_snapshots_cached": ("GDN state snapshots holding a cached prefix (prefix caching).",
+                                          s.state_snapshots_cached),
+        "qwen35:state_snapshots_total": ("GDN state snapshots (prefix caching; 0 when off).", s.state_snapshots_total),
     }
 
 
 def counters(engine) -> dict:
     s = engine.stats()
     return {"prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
-            "preemptions": s.num_preemptions, "finished": dict(s.finished)}
+            "preemptions": s.num_preemptions, "finished": dict(s.finished),
+            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}

@@ -59,7 +59,11 @@ class Metrics:
         for name, help_, value in (
                 ("vllm:prompt_tokens_total", "Prefill tokens processed.", counters["prompt_tokens"]),
                 ("vllm:generation_tokens_total", "Generated tokens.", counters["generation_tokens"]),
-                ("vllm:num_preemptions_total", "Preemptions.", counters["preemptions"])):
+                ("vllm:num_preemptions_total", "Preemptions.", counters["preemptions"]),
+                ("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                 counters["prefix_cache_queries"]),
+                ("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                 counters["prefix_cache_hits"])):
             out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name}{{{lab}}} {value}"]
         name, finished = "vllm:request_success_total", counters["finished"]
         out += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]

@@ -44,7 +44,13 @@ class Job:
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+        out = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+        # With prefix caching on: vLLM's field (OpenAI's shape, 0 on a miss), counted once per prompt like
+        # prompt_tokens (its first sample's); absent when caching is off.
+        cached = [c.cached_tokens for c in self.choices[::self.g.n]]
+        if any(x is not None for x in cached):
+            out["prompt_tokens_details"] = {"cached_tokens": sum(x or 0 for x in cached)}
+        return out
 
 
 async def submit(ctx, job: Job, thinking: bool | None) -> None:

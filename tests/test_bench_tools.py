@@ -166,6 +166,19 @@ def test_bench_engine_trace_and_report(tiny_dir, tmp_path):
     assert "| full-batch median step ms |" in md and md.count("\n") == 17
 
 
+def test_bench_prefix_smoke(tiny_dir, tmp_path, capsys):
+    """tools/bench_prefix.py's A/B on the CPU (--quick, workload d): rows for both modes, hits only with
+    caching on, the table and the JSON."""
+    import bench_prefix as bp
+    out = tmp_path / "prefix.json"
+    rows = bp.main([str(tiny_dir), "--device", "cpu", "--quick", "--only", "d", "--max-num-seqs", "8",
+                    "--max-model-len", "1024", "--json", str(out)])
+    off, on = ([r for r in rows if r["mode"] == m] for m in ("off", "on"))
+    assert len(off) == len(on) == 1 and off[0]["cached_tokens"] == 0 < on[0]["cached_tokens"]
+    assert "(d) 70-130 tokens, shared 64, c8" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_trace_report_on_a_synthetic_trace():
     import trace_report as tr
     base = dict(schedule_ms=0.1, launch_ms=0.3, sample_ms=0.1, wait_ms=2.0, deliver_ms=0.2, idle_ms=0.0)

@@ -501,7 +501,7 @@ def test_failed_forward_with_a_step_in_flight(tiny_dir, llm, tmp_path):
     a = eng.submit(prompt(1, 5), SamplingParams(max_tokens=6, **GREEDY), col)
     eng.step()  # a's first token in flight
 
-    def boom(batch, prev):
+    def boom(batch, prev, plan=None):
         raise RuntimeError("injected forward failure")
     real, eng.runner.forward = eng.runner.forward, boom
     eng.step()  # a's decode fails: a ends with the error; its token in flight is dropped

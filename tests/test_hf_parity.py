@@ -2,10 +2,11 @@
 
 Prompts of several lengths (crossing the 64-token chunk boundary), then decode steps through the
 cache; chunked prefill must match one-shot prefill. The gate must have teeth: each classic bug of
-spec §13, patched into the reference, makes it fail.
+spec §13, patched into the reference, makes it fail, and so do the two subtle ones the bf16 GPU gate
+needs its sublayer rows for (RoPE theta / 10, q/k norm weights dropped); here the sublayer rows
+themselves are checked against HF (they must match in f32, and a planted bug must first show at the
+first attention layer), the machinery test_gpu_hf_gate.py relies on.
 """
-import os
-
 import numpy as np
 import pytest
 
@@ -15,13 +16,10 @@ from engine.config import ModelConfig
 from engine.model import Qwen35Model
 from engine.step import Step
 from engine.weights import load_weights
+from hf_gate_util import HFSublayers, SUBTLE_BUGS, hf_or_skip, plant_bug, record_sublayers, sublayer_errors, \
+    sublayer_names
 
-if os.environ.get("QWEN35_REQUIRE_HF"):  # CI: a skipped gate is a failed gate
-    import torch
-    import transformers
-else:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+torch, transformers = hf_or_skip()  # QWEN35_REQUIRE_HF (CI): a skipped gate is a failed gate
 
 BOUND = 1e-4
 DECODE = 8
@@ -111,6 +109,54 @@ def test_gate_catches_classic_bug(ref, monkeypatch, name, bug):
     monkeypatch.setattr(bn, name, bug)
     ours, pos = ref.run(ids, 70)
     assert rel_err(ours, hf[pos]) > 100 * BOUND, f"the gate misses the {name} bug"
+
+
+@pytest.mark.parametrize("bug", SUBTLE_BUGS)
+def test_gate_catches_subtle_bug(ref, monkeypatch, bug):
+    ids = ref.rng.integers(0, 248044, 70 + DECODE)
+    hf = ref.hf_logits(ids)
+    plant_bug(monkeypatch, NumpyBackend, bug)
+    ours, pos = ref.run(ids, 70)
+    assert rel_err(ours, hf[pos]) > 100 * BOUND, f"the gate misses the {bug} bug"
+
+
+@pytest.fixture(scope="module")
+def prompts(ref):
+    return [ref.rng.integers(0, 248044, n) for n in (300, 70, 1)]  # 300: more than the rows kept per prompt
+
+
+@pytest.fixture(scope="module")
+def hf_sublayers(ref, prompts):
+    hooks = HFSublayers(ref.hf)
+    try:
+        with torch.no_grad():  # the decoder alone: no lm_head over every position
+            return [hooks.record(lambda p=p: ref.hf.model(torch.tensor(p[None])))[1] for p in prompts]
+    finally:
+        hooks.remove()
+
+
+def sublayer_rows(ref, prompts, hf_sublayers):
+    """Per sublayer: our outputs' relative distance from HF's, the prompts prefilled in one step."""
+    need = [len(p) // BLOCK + 1 for p in prompts]
+    cache = ref.model.alloc_cache(len(prompts) + 1, sum(need) + 1, BLOCK)
+    tables = np.split(np.arange(1, sum(need) + 1), np.cumsum(need)[:-1])
+    step = Step.build([(list(p), 0, i + 1, t.tolist()) for i, (p, t) in enumerate(zip(prompts, tables))])
+    return sublayer_errors(record_sublayers(ref.model, step, cache)[1], hf_sublayers)
+
+
+def test_sublayer_rows_match_hf(ref, prompts, hf_sublayers):
+    rows = sublayer_rows(ref, prompts, hf_sublayers)
+    names = sublayer_names(ref.model.cfg)
+    assert len(rows) == len(names) and rows.max() <= BOUND, dict(zip(names, rows))
+
+
+@pytest.mark.parametrize("bug", SUBTLE_BUGS)
+def test_sublayer_rows_locate_subtle_bug(ref, prompts, hf_sublayers, monkeypatch, bug):
+    plant_bug(monkeypatch, NumpyBackend, bug)
+    rows = sublayer_rows(ref, prompts, hf_sublayers)
+    first_attention = 2 * ref.model.cfg.full_layers[0]
+    assert rows[:first_attention].max() <= BOUND
+    assert rows[first_attention] > 100 * BOUND, f"the sublayer rows miss the {bug} bug"
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny3"])

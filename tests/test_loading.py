@@ -108,13 +108,16 @@ def test_visual_and_mtp_ignored_and_text_only_names(ckpt):
     assert not any(k.startswith(("visual", "mtp")) for k in w)
 
 
-def test_sharded_checkpoint(tmp_path):
+def test_sharded_checkpoint(tmp_path, tiny_dir):
     from engine.checkpoint import make_model
-    d = make_model(tmp_path / "sh", "tiny", shard_bytes=20 << 20)
+    d = make_model(tmp_path / "sh", "tiny", shard_bytes=20 << 20)  # same seed as tiny_dir: the same tensors
     index = json.loads((d / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    cfg = ModelConfig.from_dir(d)
-    assert len(load_weights(d, cfg)) == len(load_weights(d, cfg))
+    assert not (tiny_dir / "model.safetensors.index.json").exists()
+    sharded, single = load_weights(d, ModelConfig.from_dir(d)), load_weights(tiny_dir, ModelConfig.from_dir(tiny_dir))
+    assert sharded.keys() == single.keys()
+    for name, w in single.items():
+        assert sharded[name].dtype == w.dtype and np.array_equal(sharded[name], w), name
 
 
 def test_tied_lm_head(tiny3_dir):

@@ -155,3 +155,68 @@ def test_finish_from_waiting_and_running():
     s.finish(b)                                  # waiting
     s.finish(a)                                  # running
     assert not s.waiting and not s.running and s.kv.num_free == 63 and s.slots.num_free == 4
+
+
+def with_prefix(s, snaps=8, cut=True):
+    """The same scheduler with prefix caching on (a snapshot pool after its slots)."""
+    from engine.prefix_cache import PrefixCache
+    from engine.state_snapshots import SnapshotPool
+    s.prefix = PrefixCache(s.kv, SnapshotPool(s.slots.num_slots, snaps), chunk=64, cut_chunks=cut)
+    return s
+
+
+def drive(s, reqs, seed):
+    """A random arrival and abort pattern; returns every batch as (request id, tokens)."""
+    import random
+    rng, out, pending = random.Random(seed), [], list(reqs)
+    for _ in range(500):
+        while pending and rng.random() < 0.5:
+            s.add(pending.pop(0))
+        batch = s.schedule()
+        out.append([(r.request_id, n) for r, n in batch])
+        run_step(s, batch, sampled_token=rng.randrange(100))
+        if s.prefix is not None:
+            s.prefix.commit(s.plan)
+        for r in list(s.running):
+            if len(r.output_ids) >= r.max_tokens or rng.random() < 0.02:
+                s.finish(r)
+        if not pending and not s.running and not s.waiting:
+            break
+    return out
+
+
+@pytest.mark.parametrize("cut, max_prompt", [(False, 300), (True, 64)])
+def test_prefix_cache_without_reuse_schedules_as_before(cut, max_prompt):
+    """Nothing shared: the same batches as with caching off (saves are copies beside the steps; chunks are
+    cut only at boundaries, and a prompt of up to 64 tokens has none)."""
+    import random
+    rng = random.Random(max_prompt)
+    specs = [(1000 * i + 1, rng.randrange(1, max_prompt), rng.randrange(1, 30)) for i in range(30)]
+    def make():
+        return [Request(str(i), [first] + list(range(n - 1)), SamplingParams(max_tokens=m), m, frozenset(),
+                        sink=lambda out: None) for i, (first, n, m) in enumerate(specs)]
+    kw = dict(blocks=200, bs=16, max_len=400, seqs=4, budget=96, waiting=64)
+    off, on = sched(**kw), with_prefix(sched(**kw), cut=cut)
+    assert drive(off, make(), 7) == drive(on, make(), 7)
+    assert on.kv.num_free == on.kv.capacity and on.prefix.snaps.num_used == 0
+
+
+def test_prefix_hit_does_not_overtake_a_waiting_head():
+    s = with_prefix(sched(blocks=20, bs=16, max_len=300, seqs=4, budget=512))
+    shared = list(range(100))
+    a = req("a", 0)
+    a.prompt_ids = shared
+    s.add(a)
+    run_step(s, s.schedule())
+    s.prefix.commit(s.plan)
+    run_step(s, s.schedule())
+    s.prefix.commit(s.plan)
+    s.finish(a)                                  # its blocks [0, 96) stay cached, a snapshot at 64
+    holder, big, hit = req("holder", 20), req("big", 250, 50), req("hit", 0)  # big: all 19 blocks
+    hit.prompt_ids = shared[:70]
+    for r in (holder, big, hit):
+        s.add(r)
+    assert [r for r, _ in s.schedule()] == [holder]  # holder running keeps big waiting
+    assert list(s.waiting) == [big, hit] and s.prefix.match(hit).tokens == 64  # hit would fit, but FCFS holds
+    s.finish(holder)
+    assert [r for r, _ in s.schedule()] == [big]
