@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,11 +40,13 @@ class ServerProcess:
         # keep the caller's PYTHONPATH (e.g. wheels installed into a side folder on the GPU machine)
         env = dict(os.environ, **self.env,
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # a file, not a pipe: readable while the server runs (log()), and never full
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read().decode()}")
+                raise RuntimeError(f"server exited early:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return self
@@ -64,8 +67,13 @@ class ServerProcess:
         self.returncode = self.proc.returncode
         return self.returncode
 
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
     def output(self) -> str:
-        return self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
+        return self.log()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -196,11 +196,13 @@ def test_5_disconnect(server, stage):
 
 
 def test_5_disconnect_non_streaming(server):
-    before = _aborts(server)
+    before, logged = _aborts(server), len(server.log())
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={**BASE, "max_tokens": 1000}, timeout=0.5)
     _wait_idle(server)
     assert _aborts(server) == before + 1
+    new = server.log()[logged:]
+    assert "Traceback" not in new and "Exception" not in new and "Error" not in new, new  # aborted quietly
 
 
 def test_6_overload(server):
