@@ -133,7 +133,7 @@ class NumpyBackend:
         self._held: list[weakref.ref] = []  # the weight and cache arrays allocated here (memory_used)
 
     def _hold(self, a: np.ndarray) -> np.ndarray:
-        self._held = [r for r in self._held if r() is not None] + [weakref.ref(a)]
+        self._held.append(weakref.ref(a))  # dead references are skipped by memory_used()
         return a
 
     # ---- weights and state -------------------------------------------------------------

@@ -226,7 +226,8 @@ class Engine:
         if self.prefix is not None:
             p = self.prefix
             s = replace(s, prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
-                        kv_blocks_cached=self.kv.num_cached, state_snapshots_used=p.snaps.num_used, state_snapshots_cached=p.snaps.num_cached,
+                        kv_blocks_cached=self.kv.num_cached, state_snapshots_used=p.snaps.num_used,
+                        state_snapshots_cached=p.snaps.num_cached,
                         state_snapshots_total=p.snaps.capacity)
         return s
 

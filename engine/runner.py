@@ -156,8 +156,8 @@ class ModelRunner:
                 tokens = tokens.astype(xp.int64)
                 tokens[di] = draw.tokens
         marks = (start, self.ops.mark()) if self.timing else ()
-        return SamplingInFlight(reqs, {req: j for j, req in enumerate(reqs)}, tokens, HostCopy(top), draw, drawn, errors,
-                        marks)
+        return SamplingInFlight(reqs, {req: j for j, req in enumerate(reqs)}, tokens, HostCopy(top), draw, drawn,
+                                errors, marks)
 
     def collect(self, s: SamplingInFlight) -> list[tuple[Request, SampledToken | Exception]]:
         """Waits for the sampling and returns, per request, its token or the exception that ended only

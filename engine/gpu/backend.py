@@ -266,7 +266,8 @@ class CudaBackend:
         assert H % 8 == 0 and table.flags.c_contiguous
         out = self._empty((n, H))
         if n:
-            self._fn("embedding.cu", "gather_rows_kernel")((n,), (min(256, max(32, H // 8)),), (idx, table, out, i32(H)))
+            self._fn("embedding.cu", "gather_rows_kernel")((n,), (min(256, max(32, H // 8)),),
+                                                          (idx, table, out, i32(H)))
         return out
 
     def embed(self, table, meta: Meta):
@@ -312,7 +313,8 @@ class CudaBackend:
             sx = i64(x.strides[0] // 2) if M > 1 else i64(K)
             if small:
                 name, blocks, nw, smem = gemv_plan(M, N, K, f32_out)
-                self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)), shared_mem=smem)
+                self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)),
+                                                shared_mem=smem)
             else:
                 self._fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
                                                             (x, sx, w, out, i32(M), i32(N), i32(K), i32(gemv_nw(N, K))))

@@ -1,8 +1,8 @@
 """CUDA-graph capture and replay of the pure-decode step (CUDA backend only).
 
 At batch size 1 a decode step is launch-bound: ~15 kernels per layer, each with CuPy's launch overhead
-(docs/benchmarks/decode-graph-h200.md). DecodeGraphs captures the whole forward (every kernel and cublasLt GEMM, the final norm
-and lm_head) once per batch-size bucket and replays it with one cudaGraphLaunch.
+(docs/benchmarks/decode-graph-h200.md). DecodeGraphs captures the whole forward (every kernel and
+cublasLt GEMM, the final norm and lm_head) once per batch-size bucket and replays it with one cudaGraphLaunch.
 
 How a step is run
 - Decode only: every sequence has exactly one new token, and every sequence is sampled.
