@@ -74,13 +74,19 @@ template __global__ void conv1d_fwd<4>(const bf16_t*, long long, const bf16_t*, 
 // New state = the last K-1 rows of concat(old state, x_seq). Each thread owns one (sequence, channel)
 // and reads everything before writing, so the update is in place without races.
 extern "C" __global__ void conv1d_state_update(const bf16_t* __restrict__ x, long long sx, bf16_t* state,
-                                               const int* __restrict__ cu, const int* __restrict__ slots, int C, int K)
+                                               const int* __restrict__ cu, const int* __restrict__ slots,
+                                               const int* __restrict__ save_at, const int* __restrict__ save_rows,
+                                               int C, int K)
 {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int b = blockIdx.y;
     const int start = cu[b], n = cu[b + 1] - cu[b];
     const long long slot = slots[b];
+    const int r = save_at[b];  // prefix caching: also the state after r new tokens (r >= 64 > K - 1), to a snapshot row
+    if (r > 0)
+        for (int j = 0; j < K - 1; ++j)
+            state[((long long)save_rows[b] * (K - 1) + j) * C + c] = x[(long long)(start + r - (K - 1) + j) * sx + c];
     bf16_t v[MAXK];
 #pragma unroll
     for (int j = 0; j < MAXK - 1; ++j) {

@@ -334,7 +334,8 @@ template <int DK>
 __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     const float* __restrict__ W, const float* __restrict__ U, const float* __restrict__ P,
     const float* __restrict__ Qs, const float* __restrict__ Ks, const float* __restrict__ aux, float* state,
-    const int* __restrict__ cu, const int* __restrict__ slots, bf16_t* __restrict__ out, int nv, int dv)
+    const int* __restrict__ cu, const int* __restrict__ slots, const int* __restrict__ save_at,
+    const int* __restrict__ save_rows, bf16_t* __restrict__ out, int nv, int dv)
 {
     constexpr int LW = DK + 4, LK = DK + 8, LP = GDN_C + 4, LN = 40;
     extern __shared__ __align__(16) float smem[];
@@ -352,6 +353,8 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     const int col0 = blockIdx.x * 32, h = blockIdx.y, seq = blockIdx.z;
     const int t_beg = cu[seq], t_end = cu[seq + 1];
     float* S_g = state + ((long long)slots[seq] * nv + h) * DK * dv + col0;
+    const int save_end = t_beg + save_at[seq];  // prefix caching: S after this chunk also goes to a snapshot row
+    float* S_save = state + ((long long)save_rows[seq] * nv + h) * DK * dv + col0;
     constexpr int NN = 32 / 8 / (GDN_STATE_WARPS / 8);  // 8-column mma tiles per warp
     const int q = warp & 7, c0 = (warp >> 3) * NN * 8;  // row role, first column
     const bool owner = q < DK / 16;
@@ -426,6 +429,13 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
                     const int o = (q * 16 + g + (i >> 1) * 8) * LN + c0 + n * 8 + 2 * t + (i & 1);
                     split_tf32(S[n][i], sSh[o], sSl[o]);
                 }
+            if (save_at[seq] && t0 + L == save_end) {
+#pragma unroll
+                for (int n = 0; n < NN; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        S_save[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)] = S[n][i];
+            }
         }
     }
     if (owner) {
@@ -446,7 +456,7 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
                                                 float*, float*, float*, float*, float*, float*, int, int, int);  \
     template __global__ void gdn_chunk_state<DK>(const float*, const float*, const float*, const float*,      \
                                                  const float*, const float*, float*, const int*, const int*,   \
-                                                 bf16_t*, int, int);
+                                                 const int*, const int*, bf16_t*, int, int);
 GDN_CHUNK_INST(32)
 GDN_CHUNK_INST(64)
 GDN_CHUNK_INST(128)

@@ -225,11 +225,14 @@ class NumpyBackend:
         slot's state: the last K-1 pre-conv inputs (spec §4.2). x [T, C] (a column view), w [C, K]."""
         K = w.shape[1]
         out = np.empty(x.shape, np.float32)
-        cu = meta.step.cu_seqlens
-        for b, slot in enumerate(meta.step.slots):
+        step = meta.step
+        cu = step.cu_seqlens
+        for b, slot in enumerate(step.slots):
             xp = np.concatenate([state[slot], x[cu[b]:cu[b + 1]]])
             n = cu[b + 1] - cu[b]
             out[cu[b]:cu[b + 1]] = sum(xp[j:j + n] * w[:, j] for j in range(K))
+            if step.save_at is not None and step.save_at[b]:  # the K-1 inputs before the saved position
+                state[step.save_rows[b]] = xp[step.save_at[b]:step.save_at[b] + K - 1]
             state[slot] = xp[-(K - 1):]
         return silu(out)
 
@@ -248,11 +251,19 @@ class NumpyBackend:
         beta = sigmoid(b)
         g = -np.exp(A_log) * softplus(a + dt_bias)
         o = np.empty((T, nv, dv), np.float32)
-        cu = meta.step.cu_seqlens
-        for i, slot in enumerate(meta.step.slots):
+        step = meta.step
+        cu = step.cu_seqlens
+        for i, slot in enumerate(step.slots):
             s = slice(cu[i], cu[i + 1])
             rule = delta_rule_recurrent if cu[i + 1] - cu[i] == 1 else delta_rule_chunked
-            o[s], state[slot] = rule(q[s], k[s], v[s], g[s], beta[s], state[slot])
+            r = int(step.save_at[i]) if step.save_at is not None else 0
+            if r:  # the chunked form cut at a chunk boundary computes exactly what it does whole
+                h = slice(cu[i], cu[i] + r)
+                o[h], state[step.save_rows[i]] = rule(q[h], k[h], v[h], g[h], beta[h], state[slot])
+                s = slice(cu[i] + r, cu[i + 1])
+                o[s], state[slot] = rule(q[s], k[s], v[s], g[s], beta[s], state[step.save_rows[i]])
+            else:
+                o[s], state[slot] = rule(q[s], k[s], v[s], g[s], beta[s], state[slot])
         return o.reshape(T, nv * dv)
 
     def gated_rms_norm(self, o, z, w, eps):

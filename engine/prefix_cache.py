@@ -22,14 +22,15 @@ Which positions get a snapshot (`boundaries`), and why:
     100-500-token prompts thus hits (vLLM's align mode: never below 528). No snapshot every N tokens
     (SGLang: 256): each costs pool space and a chunk cut; branch points give the same hits, one miss
     later, only where sharing was seen.
-Chunk cuts (`cut_chunks`, default): the scheduler ends a prefill chunk at each boundary it saves, so
-a save is a slot -> snapshot copy after that step. This costs one extra step for a prompt that would
-have run as one chunk (its last boundary falls inside): phase 2 must measure it against the cold-path
-target. cut_chunks=False keeps the chunks and lists saves inside them (Plan.save's pos) for kernels
-that write the state at requested positions (the chunked GDN pass has it at every 64-boundary; the
-conv state is the K-1 inputs before p).
-min_tail = 2 in batch-invariant mode: no cut and no hit then leaves a one-token last chunk (which
-takes the decode kernels), so cold with the cache on, cold with it off and a hit are bit-equal.
+Saves inside a chunk: the chunked GDN pass has the state at every 64-token boundary of a chunk, so a
+boundary p that falls inside a prefill chunk is saved by the kernels themselves (Step.save_at: the conv
+and recurrent state after p - start tokens also go to the snapshot's row) and the chunk is not cut: a
+cold prompt takes the same steps with the cache on as off. The scheduler cuts a chunk at p only where
+the kernels cannot save it: p - start not a multiple of 64 (a chunk the budget split off mid-chunk),
+or a second boundary in one chunk (one in-chunk save per sequence and step). A save at a chunk's end
+is a slot -> snapshot copy after the step.
+min_tail = 2 in batch-invariant mode: a hit then never leaves a one-token last chunk (which would take
+the decode kernels), so cold with the cache on, cold with it off and a hit are bit-equal.
 
 What is held when: the KV blocks of a hit are shared (refcount) for the request's life; its snapshot
 is pinned from admission until the request's first step commits (or it ends). A save's id is reserved
@@ -44,14 +45,13 @@ How the engine drives it (docs/architecture.md, "Prefix caching"):
     num_slots, count=num_state_snapshots)` over cache rows after the slots (memory.py plans them),
     min_tail 2 when batch-invariant.
   - each step's `scheduler.plan` goes to `runner.forward`, which copies (`ops.copy_slots`) the restores
-    before the forward and the saves after it (eager or a decode graph's replay), in stream order; the
+    before the forward, passes in-chunk saves to the step (Step.save_at) and copies chunk-end saves
+    after it (eager or a decode graph's replay), in stream order; the
     engine commits a plan once a sampling launched after its forward is collected, before that
     sampling's tokens can finish requests, and abandons the plans of a failed step.
   - a hit's first chunk starts at `num_computed == cached_tokens > 0` (restored, not zeroed); events carry
     `cached_tokens` (-> usage.prompt_tokens_details.cached_tokens); `queries` / `hits` (tokens, as vLLM
     counts them) -> `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`.
-  - the runner asserts every save is at its chunk end: cut_chunks=False needs kernels that write the
-    state at requested positions, not written yet.
 """
 from __future__ import annotations
 
@@ -82,10 +82,6 @@ class Plan:
     def restore_ids(self) -> tuple[list[int], list[int]]:
         return [s for s, _ in self.restore], [d for _, d in self.restore]
 
-    @property
-    def save_ids(self) -> tuple[list[int], list[int]]:
-        return [s for s, _, _ in self.save], [d for _, d, _ in self.save]
-
 
 @dataclass(eq=False)
 class _Seq:
@@ -102,11 +98,10 @@ class _Seq:
 
 
 class PrefixCache:
-    def __init__(self, kv: KVBlockManager, snapshots: SnapshotPool, *, chunk: int = 64, min_tail: int = 1,
-                 cut_chunks: bool = True):
+    def __init__(self, kv: KVBlockManager, snapshots: SnapshotPool, *, chunk: int = 64, min_tail: int = 1):
         if min_tail < 1:
             raise ValueError(f"min_tail must be >= 1 (the last prompt token's logits are needed), got {min_tail}")
-        self.kv, self.snaps, self.min_tail, self.cut_chunks = kv, snapshots, min_tail, cut_chunks
+        self.kv, self.snaps, self.min_tail, self.chunk = kv, snapshots, min_tail, chunk
         self.bs, self.align = kv.block_size, lcm(chunk, kv.block_size)
         self.queries = self.hits = 0              # prompt tokens looked up / found, at admission
         self._seqs: dict[Request, _Seq] = {}
@@ -154,11 +149,12 @@ class PrefixCache:
         s.boundaries = sorted(p for p in want if p > m.tokens and self.snaps.lookup(self._key(s, p)) is None)
 
     def cut(self, req: Request, take: int) -> int:
-        """Called for each (req, take) the scheduler puts in a step, before the step is built: ends the
-        chunk at the next prompt boundary it can reserve a snapshot for (cut_chunks), reserves the saves
-        the chunk reaches (prompt boundaries, a rolling one at an aligned end). Returns the new take."""
+        """Called for each (req, take) the scheduler puts in a step, before the step is built: reserves the
+        saves the chunk reaches (prompt boundaries, a rolling one at an aligned end) and ends the chunk
+        early at a boundary the kernels cannot save inside it (see above). Returns the new take."""
         s = self._seqs[req]
         start, end = req.num_computed, req.num_computed + take
+        inside = False
         while s.boundaries and s.boundaries[0] <= end:
             p = s.boundaries.pop(0)
             if p <= start:
@@ -167,8 +163,10 @@ class PrefixCache:
             if sid is None:        # pool full: not saved, not cut
                 continue
             s.saves[p] = sid
-            if self.cut_chunks:
-                return p - start
+            if p < end:
+                if inside or (p - start) % self.chunk:
+                    return p - start
+                inside = True
         if end % self.align == 0 and end > s.limit and end not in s.saves:
             sid = self.snaps.reserve()
             if sid is not None:

@@ -75,13 +75,24 @@ class ModelRunner:
                 plan: Plan | None = None) -> ForwardInFlight:
         """Launches the step. prev: the sampling in flight, whose tokens feed the decodes of requests
         with a pending token. plan: prefix caching's state copies, in stream order around the forward:
-        snapshots restored into the slots of hits before it, slots saved into snapshots after it (every
-        save is at its request's chunk end: the scheduler cuts chunks there)."""
+        snapshots restored into the slots of hits before it; saves inside a chunk written by the step's
+        GDN layers (at most one per sequence), saves at a chunk's end copied from the slot after it."""
         fresh = [req.slot for req, _ in batch if req.num_computed == 0]
         if fresh:  # a sequence's first chunk: its (possibly reused) slot starts from zero state
             self.ops.reset_slots(self.cache, fresh)
-        chunks, want, dst, src, t = [], [], [], [], 0
-        for req, n in batch:
+        inside, at_end = {}, []  # saves inside a chunk, by slot (the kernels write them); at a chunk's end
+        if plan is not None:
+            span = {req.slot: (req.num_computed, end) for req, end in plan.ends}
+            for slot, sid, pos in plan.save:
+                if pos < span[slot][1]:
+                    assert slot not in inside, "two in-chunk saves for one sequence"
+                    inside[slot] = (pos - span[slot][0], sid)
+                else:
+                    at_end.append((slot, sid))
+        chunks, want, dst, src, saves, t = [], [], [], [], {}, 0
+        for i, (req, n) in enumerate(batch):
+            if req.slot in inside:
+                saves[i] = inside[req.slot]
             start = req.num_computed
             ids = req.token_ids(start, start + n)
             if req.pending:  # its last token is the one prev sampled: filled in on the device
@@ -98,7 +109,7 @@ class ModelRunner:
             same = len(src) == len(prev.requests) and (src_rows == np.arange(len(src))).all()
             xp = array_module(prev.tokens)
             feed = (np.array(dst, np.int64), prev.tokens if same else prev.tokens[xp.asarray(src_rows)])
-        step = Step.build(chunks, want, feed)
+        step = Step.build(chunks, want, feed, saves)
         start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
@@ -106,10 +117,8 @@ class ModelRunner:
             logits = self.graphs.run(step)  # every sequence decodes one token
         else:
             logits = self.model.forward(step, self.cache)
-        if plan is not None and plan.save:
-            ends = {req.slot: end for req, end in plan.ends}
-            assert all(ends[slot] == pos for slot, _, pos in plan.save), "a save inside a chunk (cut_chunks=False)"
-            self.ops.copy_slots(self.cache, *plan.save_ids)
+        if at_end:
+            self.ops.copy_slots(self.cache, [a for a, _ in at_end], [b for _, b in at_end])
         marks = (start, self.ops.mark()) if self.timing else ()
         return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan)
 

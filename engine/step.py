@@ -7,6 +7,10 @@ A decode token may not be on the host yet: the previous step sampled it on the d
 forward is launched before the host has seen it (engine.py). `feed` names those rows and the
 device array their tokens come from; `tokens` holds 0 there until the backend's prepare() copies
 them in, on the device, in stream order.
+
+Prefix caching may ask for a sequence's state part-way through its chunk as well (`save_at`): the
+GDN layers also write the conv and recurrent state after that many of its new tokens (a multiple of
+the GDN chunk, where the chunked pass has it anyway) into another cache row, a snapshot.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import GDN_CHUNK
 from .kv_blocks import DUMMY_BLOCK
 
 
@@ -27,6 +32,8 @@ class Step:
     seq_lens: np.ndarray      # [B] int32, context length after this step (base_pos + new tokens)
     logits_rows: np.ndarray   # [n] int32, rows whose logits are wanted (each sequence's last token)
     feed: tuple | None = None  # (rows [k] ascending, token ids [k] on the backend's device) to fill in tokens
+    save_at: np.ndarray | None = None    # [B] int32: also save the state after this many new tokens (0: none)
+    save_rows: np.ndarray | None = None  # [B] int32: the cache row (a snapshot) that state goes to
 
     @property
     def num_seqs(self) -> int:
@@ -34,8 +41,9 @@ class Step:
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[bool] | None = None,
-              feed: tuple | None = None) -> "Step":
-        """chunks: per sequence (new token ids, base_pos, slot, block ids)."""
+              feed: tuple | None = None, saves: dict[int, tuple[int, int]] | None = None) -> "Step":
+        """chunks: per sequence (new token ids, base_pos, slot, block ids). saves: sequence index ->
+        (new tokens after which its state is saved, the snapshot row)."""
         lens = [len(c[0]) for c in chunks]
         cu = np.zeros(len(chunks) + 1, np.int32)
         cu[1:] = np.cumsum(lens)
@@ -44,11 +52,17 @@ class Step:
         for i, c in enumerate(chunks):
             tables[i, :len(c[3])] = c[3]
         sample = sample if sample is not None else [True] * len(chunks)
+        save_at = save_rows = None
+        if saves:
+            save_at, save_rows = np.zeros(len(chunks), np.int32), np.zeros(len(chunks), np.int32)
+            for i, (n, row) in saves.items():
+                assert GDN_CHUNK <= n < len(chunks[i][0]) and n % GDN_CHUNK == 0, (i, n)
+                save_at[i], save_rows[i] = n, row
         return cls(
             tokens=np.array([t for c in chunks for t in c[0]], np.int32),
             positions=np.concatenate([np.arange(c[1], c[1] + len(c[0])) for c in chunks]).astype(np.int32),
             cu_seqlens=cu, slots=np.array([c[2] for c in chunks], np.int32), block_tables=tables,
             seq_lens=np.array([c[1] + len(c[0]) for c in chunks], np.int32),
             logits_rows=np.array([cu[i + 1] - 1 for i in range(len(chunks)) if sample[i]], np.int32),
-            feed=feed,
+            feed=feed, save_at=save_at, save_rows=save_rows,
         )

@@ -289,3 +289,32 @@ def test_tiny_model_matches_numpy(tiny_dir, tiny3_dir):
         # are too few for a mean (one decode step of tiny reaches 0.11 with or without the GEMV and the
         # chunked GDN, i.e. on the plain cublasLt + token-recurrent path too)
         assert np.concatenate(dlps).mean() <= 0.1  # HF bf16 itself: ~0.055 from f32 here
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
+def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
+    """Step.save_at (prefix caching): conv1d_state_update and gdn_chunk_state also write the state after
+    r new tokens to a snapshot row, as the reference does; everything else is unchanged."""
+    rng = np.random.default_rng(11)
+    lens = [1, 200, 130]
+    step = make_step(rng, lens, [9, 0, 0], 64, 16, num_slots=6)
+    step.save_at, step.save_rows = np.array([0, 128, 64], np.int32), np.array([0, 6, 7], np.int32)
+    T, C = sum(lens), 2 * nk * dk + nv * dv
+    qkv, w = rnd(rng, T, C), rnd(rng, C, 4, scale=0.5)
+    ab = rnd(rng, T, 2 * nv)
+    A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
+    dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
+    conv0, rec0 = rnd(rng, 8, 3, C), (rng.standard_normal((8, nv, dk, dv)) * 0.5).astype(np.float32)
+    conv_np, rec_np = conv0.np.copy(), rec0.copy()
+    mr = ref.prepare(step, _C())
+    want_x = ref.conv1d(qkv.np, w.np, conv_np, mr)
+    want_o = ref.delta_rule(qkv.np, ab.np[:, :nv], ab.np[:, nv:], A_log, dt_bias, rec_np, mr)
+    conv_dev, rec_dev = conv0.dev.copy(), cupy.asarray(rec0)
+    m = be.prepare(step, be_cache())
+    got_x = be.conv1d(qkv.dev, w.dev, conv_dev, m)
+    got_o = be.delta_rule(qkv.dev, ab.dev[:, :nv], ab.dev[:, nv:], cupy.asarray(A_log), cupy.asarray(dt_bias),
+                          rec_dev, m)
+    assert rel(be.to_host(got_x), want_x) <= BF16_TOL and rel(be.to_host(got_o), want_o) <= BF16_TOL
+    assert rel(be.to_host(conv_dev), conv_np) == 0.0                   # rows 6, 7: copies of bf16 inputs
+    assert rel(be.to_host(rec_dev), rec_np) <= 2e-4
+    assert rel(be.to_host(rec_dev)[6:], rec0[6:]) > 0.1                 # the saves were written

@@ -22,9 +22,9 @@ def req(rid, prompt, max_tokens=4):
                    sink=lambda out: None)
 
 
-def sched(blocks=1024, slots=5, snaps=8, max_len=8192, seqs=4, budget=8192, align=1, min_tail=1, cut=True):
+def sched(blocks=1024, slots=5, snaps=8, max_len=8192, seqs=4, budget=8192, align=1, min_tail=1):
     kv, sp = KVBlockManager(blocks, BS), StateSlotPool(slots)
-    pc = PrefixCache(kv, SnapshotPool(slots, snaps), chunk=64, min_tail=min_tail, cut_chunks=cut)
+    pc = PrefixCache(kv, SnapshotPool(slots, snaps), chunk=64, min_tail=min_tail)
     return Scheduler(kv, sp, max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=budget,
                      max_waiting_requests=64, chunk_align=align, prefix=pc)
 
@@ -71,7 +71,7 @@ class Device:
                 assert b != DUMMY_BLOCK and kvm.ref_count(b) == 1 and kvm.hash_of(b) is None, "wrote a shared block"
                 self.kv[b, i % BS] = ph[i + 1]
             self.state[r.slot] = (start + n, ph[start + n])
-        for slot, snap, pos in plan.save:  # at the chunk's end, or inside it (cut_chunks=False)
+        for slot, snap, pos in plan.save:  # at the chunk's end, or inside it (Step.save_at)
             (r, n), = [(r, n) for r, n in batch if r.slot == slot]
             assert r.num_computed < pos <= r.num_computed + n
             self.state[snap] = (pos, self.prefix_hashes(r.token_ids(0, pos))[pos])
@@ -276,7 +276,8 @@ def test_branch_points():
     m = s.prefix.match(b)
     assert (m.tokens, m.kv_tokens) == (512, 1024)              # KV deeper than the snapshot: a branch point
     d.run(b)
-    assert b.cached_tokens == 512 and ("b", 512, 512) in d.first_chunks  # the chunk ends at the branch point
+    # the branch point 1024 saved inside the chunk, which ends at the second save, its last boundary 1088
+    assert b.cached_tokens == 512 and ("b", 512, 576) in d.first_chunks
     (c,) = d.run(req("c", sys_prompt + toks(100, 14)))
     assert c.cached_tokens == 1024
     (e,) = d.run(req("e", sys_prompt + toks(100, 13)[:40] + toks(30, 15)))  # branches off b at 1064
@@ -326,32 +327,46 @@ def test_identical_prompts_at_once_save_once():
 
 
 # ---- scheduling ------------------------------------------------------------------------------------
-def test_chunks_end_where_states_are_saved():
+def test_saves_inside_a_chunk_do_not_cut_it():
+    s = sched()
+    d = Device(s)
+    (a,) = d.run(req("a", toks(300, 59)))
+    assert [n for rid, _, n in d.first_chunks if rid == "a"] == [300]   # its boundary 256 saved inside the chunk
+    assert s.prefix.match(req("q", toks(300, 59))).tokens == 256
+    assert_idle(s)
+
+
+def test_a_second_boundary_in_a_chunk_cuts_it():
     s = sched()
     d = Device(s)
     d.run(req("a", toks(1024, 60) + toks(100, 61)))
     b = req("b", toks(1024, 60) + toks(200, 62))  # KV cached to 1024, no snapshot there: cold
     s.add(b)
-    assert s.schedule() == [(b, 1024)]             # the branch point, though the budget would take it all
-    assert [p for _, _, p in s.plan.save] == [1024] and not s.plan.restore
-    s.advance(b, 1024)
+    assert s.schedule() == [(b, 1216)]             # the branch point 1024 inside, its last boundary at the end
+    assert [p for _, _, p in s.plan.save] == [1024, 1216] and not s.plan.restore
+    s.advance(b, 1216)
     s.prefix.commit(s.plan)
-    assert s.schedule() == [(b, 192)]              # then its last boundary, floor64(1223)
-    assert [p for _, _, p in s.plan.save] == [1216]
-    s.advance(b, 192)
     assert s.schedule() == [(b, 8)] and not s.plan.save
     s.finish(b)
     assert_idle(s)
 
 
-def test_saves_inside_chunks_when_not_cutting():
-    s = sched(cut=False)
+def test_a_boundary_off_the_chunk_grid_cuts_the_chunk():
+    """A chunk the budget started mid-chunk (at 100): the kernels have no state at 256 - 100 tokens, so the
+    chunk ends at 256."""
+    s = sched(budget=100)
     d = Device(s)
-    d.run(req("a", toks(1024, 60) + toks(100, 61)))
-    b = req("b", toks(1024, 60) + toks(200, 62))
+    (a,) = d.run(req("a", toks(300, 63)))
+    assert [n for rid, _, n in d.first_chunks if rid == "a"] == [100]
+    assert s.prefix.match(req("q", toks(300, 63))).tokens == 256
+    b = req("b", toks(300, 64))
     s.add(b)
-    assert s.schedule() == [(b, 1224)]
-    assert [p for _, _, p in s.plan.save] == [1024, 1216]  # for kernels that write the state mid-chunk
+    takes = []
+    while b.num_computed < 300:
+        takes.append(s.schedule()[0][1])
+        s.advance(b, takes[-1])
+        s.prefix.commit(s.plan)
+    assert takes == [100, 100, 56, 44]
     s.finish(b)
     assert_idle(s)
 
@@ -360,7 +375,7 @@ def test_batch_invariant_never_leaves_a_one_token_chunk():
     s = sched(align=64, min_tail=2, budget=4 + 128)
     d = Device(s)
     (a,) = d.run(req("a", toks(129, 70)))
-    assert [n for rid, _, n in d.first_chunks if rid == "a"] == [64]    # boundary 64 (128 would leave 1 token)
+    assert [n for rid, _, n in d.first_chunks if rid == "a"] == [129]   # boundary 64 (128 would leave 1 token)
     (b,) = d.run(req("b", toks(129, 70)))
     assert b.cached_tokens == 64 and ("b", 64, 65) in d.first_chunks
     (c,) = d.run(req("c", toks(130, 71)))

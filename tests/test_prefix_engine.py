@@ -76,6 +76,7 @@ class Run:
     def wait(self, *rids, max_steps=5000):
         for _ in range(max_steps):
             if all(self.done(r) for r in rids):
+                self.eng.step()  # collects the step launched after the last token (its arrays are freed)
                 return
             self.eng.step()
         raise AssertionError("requests did not finish")

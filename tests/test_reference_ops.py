@@ -59,3 +59,44 @@ def _cache(be):
     class C:
         block_size = 16
     return C()
+
+
+def _gdn_inputs(rng, T, nk=2, nv=4, dk=16, dv=24):
+    qkv = rng.standard_normal((T, 2 * nk * dk + nv * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((T, nv)).astype(np.float32) for _ in range(2))
+    A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
+    dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
+    return qkv, a, b, A_log, dt_bias
+
+
+def test_state_saved_inside_a_chunk_is_the_state_of_its_prefix():
+    """Step.save_at (prefix caching): the conv and recurrent state written after r new tokens equal the
+    state of a step that fed only those r tokens, and the step's outputs and final state are unchanged."""
+    rng = np.random.default_rng(5)
+    be = NumpyBackend()
+    lens, saves = [1, 200, 130], {1: (128, 6), 2: (64, 7)}
+    chunks = [([0] * n, 10 * (n == 1), slot, [0] * 20) for n, slot in zip(lens, [3, 0, 1])]
+    T, C = sum(lens), 40
+    x, w = rng.standard_normal((T, C)).astype(np.float32), rng.standard_normal((C, 4)).astype(np.float32)
+    qkv, a, b, A_log, dt_bias = _gdn_inputs(rng, T)
+    conv0 = rng.standard_normal((8, 3, C)).astype(np.float32)
+    rec0 = rng.standard_normal((8, 4, 16, 24)).astype(np.float32)
+
+    def run(step, conv, rec):
+        m = be.prepare(step, _cache(be))
+        return be.conv1d(x, w, conv, m), be.delta_rule(qkv, a, b, A_log, dt_bias, rec, m)
+    plain = [conv0.copy(), rec0.copy()]
+    want = run(Step.build(chunks), *plain)
+    got_state = [conv0.copy(), rec0.copy()]
+    got = run(Step.build(chunks, saves=saves), *got_state)
+    for g_, w_ in zip(got, want):
+        assert np.array_equal(g_, w_)
+    assert np.array_equal(got_state[0][:6], plain[0][:6]) and np.array_equal(got_state[1][:6], plain[1][:6])
+    cu = np.cumsum([0] + lens)
+    for i, (r, row) in saves.items():
+        alone, slot, h = [conv0.copy(), rec0.copy()], chunks[i][2], slice(cu[i], cu[i] + r)
+        m = be.prepare(Step.build([([0] * r, 0, slot, [0] * 20)]), _cache(be))
+        be.conv1d(x[h], w, alone[0], m)
+        be.delta_rule(qkv[h], a[h], b[h], A_log, dt_bias, alone[1], m)
+        assert np.array_equal(got_state[0][row], alone[0][slot]), i
+        assert np.array_equal(got_state[1][row], alone[1][slot]), i

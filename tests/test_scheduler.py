@@ -157,11 +157,11 @@ def test_finish_from_waiting_and_running():
     assert not s.waiting and not s.running and s.kv.num_free == 63 and s.slots.num_free == 4
 
 
-def with_prefix(s, snaps=8, cut=True):
+def with_prefix(s, snaps=8):
     """The same scheduler with prefix caching on (a snapshot pool after its slots)."""
     from engine.prefix_cache import PrefixCache
     from engine.state_snapshots import SnapshotPool
-    s.prefix = PrefixCache(s.kv, SnapshotPool(s.slots.num_slots, snaps), chunk=64, cut_chunks=cut)
+    s.prefix = PrefixCache(s.kv, SnapshotPool(s.slots.num_slots, snaps), chunk=64)
     return s
 
 
@@ -185,18 +185,19 @@ def drive(s, reqs, seed):
     return out
 
 
-@pytest.mark.parametrize("cut, max_prompt", [(False, 300), (True, 64)])
-def test_prefix_cache_without_reuse_schedules_as_before(cut, max_prompt):
-    """Nothing shared: the same batches as with caching off (saves are copies beside the steps; chunks are
-    cut only at boundaries, and a prompt of up to 64 tokens has none)."""
+@pytest.mark.parametrize("budget, max_prompt", [(4096, 300), (96, 64)])
+def test_prefix_cache_without_reuse_schedules_as_before(budget, max_prompt):
+    """Nothing shared: the same batches as with caching off (saves are written inside the chunks or copied
+    after them; a chunk is cut only at a boundary off the 64-token grid of a chunk the budget split, and a
+    prompt of up to 64 tokens has no boundary)."""
     import random
     rng = random.Random(max_prompt)
     specs = [(1000 * i + 1, rng.randrange(1, max_prompt), rng.randrange(1, 30)) for i in range(30)]
     def make():
         return [Request(str(i), [first] + list(range(n - 1)), SamplingParams(max_tokens=m), m, frozenset(),
                         sink=lambda out: None) for i, (first, n, m) in enumerate(specs)]
-    kw = dict(blocks=200, bs=16, max_len=400, seqs=4, budget=96, waiting=64)
-    off, on = sched(**kw), with_prefix(sched(**kw), cut=cut)
+    kw = dict(blocks=200, bs=16, max_len=400, seqs=4, budget=budget, waiting=64)
+    off, on = sched(**kw), with_prefix(sched(**kw))
     assert drive(off, make(), 7) == drive(on, make(), 7)
     assert on.kv.num_free == on.kv.capacity and on.prefix.snaps.num_used == 0
 

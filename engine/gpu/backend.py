@@ -62,6 +62,8 @@ class Meta:
     slot_mapping: cupy.ndarray
     tok_seq: cupy.ndarray
     logits_rows: cupy.ndarray
+    save_at: cupy.ndarray       # [B] Step.save_at (zeros: no saves)
+    save_rows: cupy.ndarray     # [B]
     block_tables: cupy.ndarray  # [B, width]
     max_new: int = 1  # the most new tokens of one sequence (1: a decode step)
     n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
@@ -166,7 +168,7 @@ class CudaBackend:
     def meta_size(T: int, B: int, n_logits: int, width: int) -> int:
         """int32 elements of the packed metadata buffer prepare() uploads: T tokens, B sequences,
         n_logits sampled rows, block tables `width` wide."""
-        return 4 * T + (B + 1) + 2 * B + n_logits + B * width
+        return 4 * T + (B + 1) + 4 * B + n_logits + B * width
 
     def prepare(self, step: Step, cache: Cache, out: cupy.ndarray | None = None, max_ctx: int | None = None,
                 staging: np.ndarray | None = None) -> Meta:
@@ -186,8 +188,11 @@ class CudaBackend:
         slot_mapping = (blocks.astype(np.int64) * bs + step.positions % bs)
         assert slot_mapping.max(initial=0) < 2 ** 31
         bt = np.ascontiguousarray(step.block_tables, np.int32)
+        no_saves = np.zeros(B, np.int32)
+        save_at = step.save_at if step.save_at is not None else no_saves
+        save_rows = step.save_rows if step.save_rows is not None else no_saves
         parts = [step.tokens, step.positions, step.cu_seqlens, step.slots, step.seq_lens, slot_mapping, seq,
-                 step.logits_rows, bt.reshape(-1)]
+                 step.logits_rows, save_at, save_rows, bt.reshape(-1)]
         parts = [np.asarray(p, np.int32).reshape(-1) for p in parts]
         host = np.concatenate(parts)
         if out is None:
@@ -351,7 +356,8 @@ class CudaBackend:
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
                                                   i32(T), i32(C), i32(tt)))
             self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
-                                                    (x, sx, state, meta.cu_seqlens, meta.slots, i32(C), i32(K)))
+                                                    (x, sx, state, meta.cu_seqlens, meta.slots, meta.save_at,
+                                                     meta.save_rows, i32(C), i32(K)))
         return out
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
@@ -375,6 +381,7 @@ class CudaBackend:
         if nd == meta.B:
             return out
         cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
+        save_at, save_rows = meta.save_at[nd:], meta.save_rows[nd:]
         C = GDN_C
         W, Qs, Ks = (self._empty((T, nv, dk), cupy.float32) for _ in range(3))
         U = self._empty((T, nv, dv), cupy.float32)
@@ -387,7 +394,7 @@ class CudaBackend:
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
         smem = 4 * (2 * dk * 40 + 2 * C * (dk + 4) + C * (dk + 8) + C * (C + 4) + 3 * C * 40)  # padded rows, gdn.cu
         self._fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS,),
-            (W, U, P, Qs, Ks, aux, state, cu, slots, out, i32(nv), i32(dv)), shared_mem=smem)
+            (W, U, P, Qs, Ks, aux, state, cu, slots, save_at, save_rows, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
 
     def gated_rms_norm(self, o, z, w, eps):
