@@ -306,7 +306,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
             self._abandon([plan])
             self._fail_step([req for req, _ in batch], e)
-            return None, e
+            return None, e.with_traceback(None)  # its frames would hold the step's device arrays until a GC pass
         if plan is not None:
             self._launched_plans.append(plan)
         for req, n in batch:
@@ -321,7 +321,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - e.g. the test hook; the whole step failed
             self._abandon([launched.plan])
             self._fail_step([req for req, _ in launched.batch], e)
-            return e
+            return e.with_traceback(None)  # as in _launch
         # this sampling completes after every forward launched so far (one stream)
         self._inflight_plans, self._launched_plans = self._launched_plans, []
         for req in self._inflight.requests:

@@ -25,6 +25,7 @@ class Cache:
     k: list[Any]     # per attention layer [blocks, block_size, nkv, hd]
     v: list[Any]
     block_size: int
+    rows: Any = None  # the backend's own table of the state arrays' rows for copy_slots (CUDA: on the device)
 
 
 class Backend(Protocol):

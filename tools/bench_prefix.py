@@ -12,9 +12,10 @@ prefix caching off, then on, with issue 16's four measurements:
   (d) prompts of 100-500 tokens sharing a 64-token prefix, at c8: the hit rate (tokens restored /
       prompt tokens; target > 0) and TTFT.
 
-    python tools/bench_prefix.py MODEL_DIR --json prefix.json [--only a,c] [--quick]
+    python tools/bench_prefix.py MODEL_DIR --json prefix.json [--only a,c] [--repeat N] [--quick]
 
-Prints one table (off, on, on/off per measurement) and writes every row to --json. --quick runs
+Prints one table (off, on, on/off per measurement; medians over --repeat alternating off/on runs) and
+writes every row to --json. --quick runs
 small sizes (a CPU smoke test; the numbers mean nothing). (c) over HTTP is bench_matrix.py's
 `--cells '1024x256-*'` against `qwen35 serve` with and without --enable-prefix-caching.
 """
@@ -149,9 +150,19 @@ def short_prompts(eng, z: Sizes) -> list[dict]:
 WORKLOADS = {"a": shared_system_prompt, "b": multi_turn, "c": cold_path, "d": short_prompts}
 
 
+def _median_rows(rows) -> dict:
+    """(workload, label, mode) -> that measurement's row with the median TTFT and tok/s over repetitions."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["label"], r["mode"]), []).append(r)
+    return {k: {**g[0], **{m: float(np.median([r[m] for r in g])) for m in ("mean_ttft_ms", "output_tok_s")}}
+            for k, g in groups.items()}
+
+
 def _table(rows) -> str:
-    """One line per measurement: off, on and on/off for TTFT, throughput, and the hit rate with caching on."""
-    by = {(r["workload"], r["label"], r["mode"]): r for r in rows}
+    """One line per measurement: off, on and on/off for TTFT, throughput (medians over repetitions), and the
+    hit rate with caching on."""
+    by = _median_rows(rows)
     keys = list(dict.fromkeys((r["workload"], r["label"]) for r in rows))
     out = [f"{'':4}{'measurement':42}{'TTFT off':>10}{'TTFT on':>10}{'on/off':>8}{'tok/s off':>11}"
            f"{'tok/s on':>10}{'on/off':>8}{'hit rate':>9}"]
@@ -177,11 +188,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--num-state-snapshots", type=int, default=None)
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
+    ap.add_argument("--repeat", type=int, default=1, help="off/on pairs, alternating; the table shows medians")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     z = QUICK if a.quick else Sizes()
     rows = []
-    for mode in ("off", "on"):
+    for rep, mode in enumerate(("off", "on") * a.repeat):
         eng = Engine(a.model_dir, device=a.device, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
                      max_num_batched_tokens=a.max_num_batched_tokens, batch_invariant=a.batch_invariant,
                      enable_prefix_caching=mode == "on", num_state_snapshots=a.num_state_snapshots)
@@ -189,7 +201,7 @@ def main(argv=None) -> list[dict]:
             _wave(eng, [[1] * z.cold_in], _params(2), 1)  # warm-up
             for w in a.only.split(","):
                 for r in WORKLOADS[w](eng, z):
-                    rows.append({"mode": mode, **r})
+                    rows.append({"mode": mode, "rep": rep // 2, **r})
                     print(f"[{mode}] ({w}) {r['label']}: TTFT {r['mean_ttft_ms']:.1f} ms, "
                           f"{r['output_tok_s']:.1f} tok/s, cached {r['cached_tokens']}/{r['prompt_tokens']}", flush=True)
             stats = eng.stats()

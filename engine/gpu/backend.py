@@ -125,13 +125,18 @@ class CudaBackend:
 
     def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
         nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
+        conv = [cupy.zeros((num_slots, cfg.conv_kernel - 1, cfg.conv_dim), cupy.uint16) for _ in range(nlin)]
+        rec = [cupy.zeros((num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), cupy.float32)
+               for _ in range(nlin)]
+        arrays = conv + rec  # copy_slots' table: base pointers, row bytes (rows are contiguous, 16-byte multiples)
+        assert all(a.strides[0] % 16 == 0 for a in arrays)
+        rows = (cupy.asarray(np.array([a.data.ptr for a in arrays], np.uint64)),
+                cupy.asarray(np.array([a.strides[0] for a in arrays], np.int64)), max(a.strides[0] for a in arrays))
         return Cache(
-            conv=[cupy.zeros((num_slots, cfg.conv_kernel - 1, cfg.conv_dim), cupy.uint16) for _ in range(nlin)],
-            rec=[cupy.zeros((num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), cupy.float32)
-                 for _ in range(nlin)],
+            conv=conv, rec=rec,
             k=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
             v=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
-            block_size=block_size)
+            block_size=block_size, rows=rows)
 
     def reset_slots(self, cache: Cache, slots) -> None:
         idx = cupy.asarray(np.asarray(list(slots), np.int64))
@@ -139,17 +144,14 @@ class CudaBackend:
             a[idx] = 0
 
     def copy_slots(self, cache: Cache, src, dst) -> None:
-        """One device-to-device memcpyAsync per row and layer array (a row of a C-contiguous array is one
-        contiguous range) on the current stream: no index upload, no allocation, nothing to wait for. For
-        the 4B a snapshot is 2 x 24 copies (2 MiB + 48 KiB each), ~0.2 ms of host launches per copied
-        row; one kernel over every layer would be one launch, if that ever shows in a step."""
-        stream = cupy.cuda.get_current_stream().ptr
-        d2d = cupy.cuda.runtime.memcpyDeviceToDevice
-        for a in cache.conv + cache.rec:
-            assert a.flags.c_contiguous
-            row = a.strides[0]
-            for s, d in zip(src, dst):
-                cupy.cuda.runtime.memcpyAsync(a.data.ptr + d * row, a.data.ptr + s * row, row, d2d, stream)
+        """One copy_rows launch over every layer's conv and recurrent array and every (src, dst) pair (for
+        the 4B a row is 24 x (2 MiB + 48 KiB)), on the current stream; the pairs go up in one small copy."""
+        if not len(src):
+            return
+        bases, row_bytes, longest = cache.rows
+        pairs = cupy.asarray(np.array([x for p in zip(src, dst) for x in p], np.int32))
+        grid = (min(-(-longest // (16 * 256)), 64), len(bases), len(src))
+        self._fn("state_copy.cu", "copy_rows")(grid, (256,), (bases, row_bytes, pairs))
 
     def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
         """What `utilization` of the device leaves after the weights (already loaded) and a rough reserve
