@@ -170,6 +170,7 @@ class EngineArgs:
     max_model_len: int | None = None          # default min(model window, 8192)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    prefill_budget_with_decodes: int = 0      # prompt tokens in a step that also decodes (0: no cap beyond the above)
     max_waiting_requests: int = 1024          # submitted, not yet admitted: beyond this, 503
     num_kv_blocks: int | None = None          # default: from the memory budget
     kv_cache_memory: int | None = None        # bytes for state slots + KV (cpu default 512 MiB)

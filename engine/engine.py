@@ -126,6 +126,7 @@ class Engine:
                                       min_tail=2 if a.batch_invariant else 1)
         self.scheduler = Scheduler(self.kv, self.slots, max_model_len=max_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens,
+                                   prefill_budget_with_decodes=a.prefill_budget_with_decodes,
                                    max_waiting_requests=a.max_waiting_requests,
                                    # the GDN chunk: prompt chunks then keep the chunked form's boundaries
                                    chunk_align=GDN_CHUNK if a.batch_invariant else 1, prefix=self.prefix)

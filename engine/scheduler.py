@@ -35,9 +35,13 @@ class OverloadedError(RuntimeError):
 
 class Scheduler:
     def __init__(self, kv: KVBlockManager, slots: StateSlotPool, *, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_waiting_requests: int, chunk_align: int = 1,
-                 prefix: PrefixCache | None = None):
-        """chunk_align: a prompt cut into chunks is cut at multiples of this many tokens, never leaving a
+                 max_num_batched_tokens: int, max_waiting_requests: int, prefill_budget_with_decodes: int = 0,
+                 chunk_align: int = 1, prefix: PrefixCache | None = None):
+        """prefill_budget_with_decodes: prompt tokens in a step that also decodes (0: no cap but the step's
+        budget). A step's device time grows with its prompt tokens and every decoding request waits for
+        the whole step, so this bounds their inter-token latency while prompts arrive; a step with no
+        decodes (a wave arriving together, a lone long prompt) still takes the whole budget.
+        chunk_align: a prompt cut into chunks is cut at multiples of this many tokens, never leaving a
         last chunk of one token (a batch-invariant engine passes the GDN chunk, 64: a prompt then takes
         the same kernels and chunk boundaries however the budget splits it).
         prefix: prefix caching over kv (None: off, and nothing here changes)."""
@@ -45,12 +49,16 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}) + {2 * chunk_align} when prompts are cut at multiples of "
                              f"{chunk_align} tokens (batch_invariant), so a chunk always fits beside the decodes")
+        if 0 < prefill_budget_with_decodes < 2 * chunk_align:
+            raise ValueError(f"prefill_budget_with_decodes ({prefill_budget_with_decodes}) must be 0 or at least "
+                             f"{2 * chunk_align} (prompts are cut at multiples of {chunk_align} tokens)")
         if prefix is not None and prefix.kv is not kv:
             raise ValueError("the prefix cache must own the scheduler's KV block manager")
         self.kv, self.slots, self.chunk_align, self.prefix = kv, slots, chunk_align, prefix
         self.plan: Plan | None = None  # prefix caching: the state copies of the batch schedule() returned
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.max_num_batched_tokens, self.max_waiting_requests = max_num_batched_tokens, max_waiting_requests
+        self.prefill_budget_with_decodes = prefill_budget_with_decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -81,7 +89,8 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """(request, new tokens) for this step: decodes first, then prefill chunks (running
-        partial prefills, then newly admitted requests) within the token budget."""
+        partial prefills, then newly admitted requests) within the token budget (and, beside decodes,
+        within prefill_budget_with_decodes)."""
         budget = self.max_num_batched_tokens
         decodes, prefills = [], []
         for req in self.running:
@@ -89,6 +98,8 @@ class Scheduler:
             if n == 1 and budget > 0 and not req.at_limit:
                 decodes.append((req, self._take(req, 1, budget)))
                 budget -= 1
+        if decodes and self.prefill_budget_with_decodes:
+            budget = min(budget, self.prefill_budget_with_decodes)
         for req in self.running:
             n = req.num_tokens - req.num_computed
             if n > 1 and budget > 0:

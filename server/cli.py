@@ -36,6 +36,9 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="running requests (one GDN state slot each); also the cap on n")
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="tokens per engine step (the prefill chunk)")
+    ap.add_argument("--prefill-budget-with-decodes", type=int, default=d.prefill_budget_with_decodes, metavar="N",
+                    help="prompt tokens in a step that also decodes: bounds the running requests' inter-token "
+                         "latency while prompts are prefilled (0: only --max-num-batched-tokens)")
     ap.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                     help="waiting queue bound; beyond it requests get 503")
     ap.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="the most logprobs a request may ask for")
@@ -53,7 +56,8 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    keys = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+    keys = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "prefill_budget_with_decodes",
+            "max_waiting_requests",
             "max_logprobs", "gpu_memory_utilization", "enforce_eager", "batch_invariant", "trace_steps",
             "enable_prefix_caching", "num_state_snapshots")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}

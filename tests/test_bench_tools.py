@@ -141,6 +141,7 @@ def test_mixed_gate_validity(tiny_dir, tmp_path, seqs, valid):
         assert cell["trace"]["valid_steps"] >= 1
     else:
         assert cell["trace"]["max_decode_rows"] <= 2 and cell["trace"]["valid_steps"] == 0
+        assert cell["gate"] == "FAIL" and "invalid" in cell["gate_why"][0]  # the negative control never passes
     saved = json.loads((tmp_path / f"mixed-{label}.json").read_text())
     assert saved["cells"][0]["valid"] is valid
     row = (tmp_path / f"mixed-{label}.md").read_text().splitlines()[2]
@@ -191,3 +192,16 @@ def test_trace_report_on_a_synthetic_trace():
     assert s["wall_s"] == pytest.approx(0.03) and s["gpu_busy_frac"] == pytest.approx(28.5e-3 / 0.03)
     assert s["full_median_step_ms"] == pytest.approx(3.25) and s["full_median_host_ms"] == pytest.approx(0.7)
     assert s["full_median_host_over_device_ms"] == pytest.approx(0.25) and s["prefill_step_s"] == pytest.approx(0.021)
+
+
+def test_gate_bounds_p99_and_max_by_the_steady_step_and_needs_validity():
+    assert bx.gate(True, 14.0, 23.0, 5.0) == (True, [])
+    ok, why = bx.gate(True, 16.0, 23.0, 5.0)
+    assert not ok and why == ["ITL p99 16.0 ms > 3 x steady 5.00 ms"]
+    ok, why = bx.gate(True, 12.0, 30.0, 5.0)
+    assert not ok and why == ["ITL max 30.0 ms > 5 x steady 5.00 ms"]
+    assert bx.gate(True, 16.0, 30.0, 5.0, p99_factor=4, max_factor=6) == (True, [])
+    # an invalid cell (the negative control) or one without a trace can never pass, however good its ITL
+    assert bx.gate(False, 5.0, 5.0, 5.0)[0] is False and "invalid" in bx.gate(False, 5.0, 5.0, 5.0)[1][0]
+    assert bx.gate(None, 5.0, 5.0, 5.0)[0] is False
+    assert bx.gate(True, None, None, 5.0)[0] is False

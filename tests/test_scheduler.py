@@ -13,9 +13,10 @@ def req(rid, prompt_len, max_tokens=4):
                    frozenset(), sink=lambda out: None)
 
 
-def sched(blocks=64, slots=5, bs=4, max_len=64, seqs=4, budget=16, waiting=8, align=1):
+def sched(blocks=64, slots=5, bs=4, max_len=64, seqs=4, budget=16, waiting=8, align=1, with_decodes=0):
     return Scheduler(KVBlockManager(blocks, bs), StateSlotPool(slots), max_model_len=max_len, max_num_seqs=seqs,
-                     max_num_batched_tokens=budget, max_waiting_requests=waiting, chunk_align=align)
+                     max_num_batched_tokens=budget, max_waiting_requests=waiting, chunk_align=align,
+                     prefill_budget_with_decodes=with_decodes)
 
 
 def run_step(s, batch, sampled_token=7):
@@ -221,3 +222,31 @@ def test_prefix_hit_does_not_overtake_a_waiting_head():
     assert list(s.waiting) == [big, hit] and s.prefix.match(hit).tokens == 64  # hit would fit, but FCFS holds
     s.finish(holder)
     assert [r for r, _ in s.schedule()] == [big]
+
+
+def test_prefill_budget_with_decodes_caps_prompt_tokens_only_beside_decodes():
+    s = sched(budget=32, with_decodes=6)
+    a, b, c = req("a", 20, max_tokens=8), req("b", 30), req("c", 3)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch == [(a, 20), (b, 12)]          # nothing decodes yet: the whole budget
+    run_step(s, batch)
+    s.add(c)
+    batch = s.schedule()
+    assert batch == [(a, 1), (b, 6)]            # beside a decode: 6 prompt tokens, c waits behind b (FCFS)
+    run_step(s, batch)
+    s.finish(a)
+    batch = s.schedule()
+    assert batch == [(b, 12), (c, 3)]           # no decode left: the whole budget again
+
+
+def test_prefill_budget_with_decodes_keeps_chunk_alignment():
+    with pytest.raises(ValueError, match="at least 8"):
+        sched(budget=64, align=4, with_decodes=7)
+    s = sched(budget=64, align=4, with_decodes=10, max_len=128, blocks=128)
+    a, b = req("a", 4, max_tokens=8), req("b", 40)
+    s.add(a)
+    run_step(s, s.schedule())
+    s.add(b)
+    assert s.schedule() == [(a, 1), (b, 8)]     # 10 capped to a multiple of the alignment

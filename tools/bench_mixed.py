@@ -15,6 +15,10 @@ stays full; at the end of the window the background is cancelled.
   an injected prefill met the full background batch (injected requests make one token and never
   decode, and the background prefilled before the window, so such a step's prefill is injected).
   Without a trace (e.g. vLLM) validity is unknown ("?").
+- gate (issue 15): PASS when the cell is valid, the mixed ITL p99 is at most --p99-factor (3) x the
+  steady TPOT and the mixed ITL max at most --max-factor (5) x it, the steady TPOT being the median
+  gap of the baseline window (the undisturbed background step, not the injection window's); an
+  invalid cell cannot pass. The tool exits 1 when any cell fails (the negative control must fail).
 - saturated (a throughput wall, not a tail effect): fewer injected requests completed than were
   sent, one waited longer than --duration for its token, qps x mean injected TTFT >= 1 (Little's law:
   an injected prompt is always in the server), or the mixed ITL p50 is over twice the baseline p50.
@@ -94,6 +98,22 @@ def saturation(sent: int, completed: int, ttfts: list[float], qps: float, durati
     return why
 
 
+def gate(valid: bool | None, itl_p99_ms: float | None, itl_max_ms: float | None, steady_ms: float | None,
+         p99_factor: float = 3.0, max_factor: float = 5.0) -> tuple[bool, list[str]]:
+    """(passed, why not) for one cell against the ITL bounds (times in ms)."""
+    if not valid:
+        return False, ["invalid: no injected prefill met the whole background" if valid is False
+                       else "validity unknown (no step trace)"]
+    if not steady_ms or itl_p99_ms is None or itl_max_ms is None:
+        return False, ["no baseline or mixed ITL samples"]
+    why = []
+    if itl_p99_ms > p99_factor * steady_ms:
+        why.append(f"ITL p99 {itl_p99_ms:.1f} ms > {p99_factor:g} x steady {steady_ms:.2f} ms")
+    if itl_max_ms > max_factor * steady_ms:
+        why.append(f"ITL max {itl_max_ms:.1f} ms > {max_factor:g} x steady {steady_ms:.2f} ms")
+    return not why, why
+
+
 def _ms(values, q) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if len(values) else None
 
@@ -169,10 +189,14 @@ async def run_cell(a, tok, model: str, length: int, qps: float) -> dict:
     trace = trace_summary(read_trace(a.trace, off0, off1), B) if a.trace else None
     why = saturation(n, im["completed"], ttfts, qps, a.duration, float(np.median(mixed)) if mixed else 0.0,
                      float(np.median(base)) if base else 0.0)
+    valid = trace["valid"] if trace else None
+    passed, gate_why = gate(valid, _ms(mixed, 99), _ms(mixed, 100), _ms(base, 50), a.p99_factor, a.max_factor)
     return {"label": a.label, "qps": qps, "inject_len": length, "background": B, "bg_input_len": a.bg_input_len,
             "bg_output_len": a.bg_output_len, "injected": n, "completed": im["completed"], "failed": im["failed"],
             "errors": [r.error for r in injected if not r.success],
-            "valid": trace["valid"] if trace else None, "saturated": bool(why), "saturated_why": why,
+            "valid": valid, "saturated": bool(why), "saturated_why": why,
+            "gate": "PASS" if passed else "FAIL", "gate_why": gate_why, "p99_bound_ms": a.p99_factor * _ms(base, 50)
+            if base else None, "max_bound_ms": a.max_factor * _ms(base, 50) if base else None,
             "itl_p50_ms": _ms(mixed, 50), "itl_p99_ms": _ms(mixed, 99), "itl_max_ms": _ms(mixed, 100),
             "itl_samples": len(mixed), "baseline_itl_p50_ms": _ms(base, 50), "baseline_itl_p99_ms": _ms(base, 99),
             "window_s": t1 - t0, "bg_restarts": len(bg) - B, "bg_failed": sum(1 for r in bg if r.error),
@@ -183,13 +207,15 @@ async def run_cell(a, tok, model: str, length: int, qps: float) -> dict:
 def markdown(cells: list[dict]) -> str:
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     yn = lambda v: "?" if v is None else ("yes" if v else "no")  # noqa: E731
-    lines = ["| label | qps | injected len | valid | saturated | ITL p50 ms | ITL p99 ms | ITL max ms | "
-             "injected TTFT mean ms | injected TTFT p99 ms | completed/failed |", "|---" * 11 + "|"]
+    lines = ["| label | qps | injected len | valid | saturated | steady ms | ITL p50 ms | ITL p99 ms (bound) | "
+             "ITL max ms (bound) | gate | injected TTFT mean ms | injected TTFT p99 ms | completed/failed |",
+             "|---" * 13 + "|"]
     for c in cells:
         im = c["injected_metrics"]
         lines.append(f"| {c['label']} | {c['qps']:g} | {c['inject_len']} | {yn(c['valid'])} | {yn(c['saturated'])} | "
-                     f"{f(c['itl_p50_ms'])} | {f(c['itl_p99_ms'])} | {f(c['itl_max_ms'])} | "
-                     f"{f(im['mean_ttft_ms'])} | {f(im['p99_ttft_ms'])} | {c['completed']}/{c['failed']} |")
+                     f"{f(c['baseline_itl_p50_ms'])} | {f(c['itl_p50_ms'])} | "
+                     f"{f(c['itl_p99_ms'])} ({f(c.get('p99_bound_ms'))}) | {f(c['itl_max_ms'])} ({f(c.get('max_bound_ms'))}) | "
+                     f"{c.get('gate', '-')} | {f(im['mean_ttft_ms'])} | {f(im['p99_ttft_ms'])} | {c['completed']}/{c['failed']} |")
     b = cells[0] if cells else None
     if b:
         lines += ["", f"Background: {b['background']} x {b['bg_input_len']}/{b['bg_output_len']} tokens (greedy, "
@@ -283,6 +309,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--launch", default=None, metavar="MODEL_DIR", help="start our server on MODEL_DIR for the run")
     ap.add_argument("--server-args", default="", help="extra `qwen35 serve` flags with --launch (one string)")
+    ap.add_argument("--p99-factor", type=float, default=3.0, help="gate: ITL p99 bound in steady TPOTs")
+    ap.add_argument("--max-factor", type=float, default=5.0, help="gate: ITL max bound in steady TPOTs")
     ap.add_argument("--from-json", nargs="+", default=None, metavar="FILE", help="only render saved results")
     a = ap.parse_args(argv)
     out = Path(a.out_dir)
@@ -305,8 +333,12 @@ def main(argv=None) -> list[dict]:
     (out / f"mixed-{a.label}.json").write_text(json.dumps({"args": args, "cells": cells}, indent=1))
     (out / f"mixed-{a.label}.md").write_text(markdown(cells))
     print(markdown(cells))
+    failed = [c for c in cells if c["gate"] != "PASS"]
+    for c in failed:
+        print(f"FAIL [{c['label']}] {c['inject_len']} tokens at {c['qps']:g} req/s: {'; '.join(c['gate_why'])}")
+    print(f"gate: {len(cells) - len(failed)} PASS, {len(failed)} FAIL")
     return cells
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any(c.get("gate") != "PASS" for c in main()) else 0)
