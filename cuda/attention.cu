@@ -83,7 +83,7 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&f)[E]) {
 
 // q: [T, nh, HD] contiguous; gate: [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc: [blocks, bs, nkv, HD].
 // block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its absolute position
-// (it attends keys 0..pos). out: [T, nh*HD]. part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2].
+// (it attends keys 0..pos); chunk: keys per split, or 0 (see below). out: [T, nh*HD]. part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2].
 template <int HD, int G>
 __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
@@ -100,8 +100,12 @@ __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const long long t = blockIdx.z;
     const int nh = nkv * G;
     const int n_keys = positions[t] + 1;
-    const int j0 = split * chunk;
-    const int j1 = min(j0 + chunk, n_keys);
+    // chunk > 0: keys per split at fixed offsets (batch-invariant mode). 0: this token's own keys split
+    // evenly over the grid's splits, so every split has work however far the context is below the
+    // max_ctx that sized the grid (a decode graph's grid is sized for max_model_len)
+    const int per = chunk > 0 ? chunk : (n_keys + nsplit - 1) / nsplit;
+    const int j0 = split * per;
+    const int j1 = min(j0 + per, n_keys);
     const int* table = block_tables + (long long)tok_seq[t] * bt_stride;
 
     float qr[G][E], acc[G][E], m[G], l[G];

@@ -10,6 +10,7 @@ does not depend on the values, and it skips writing and reading an 8 GB checkpoi
 writes the random 4b checkpoint there with make_model and loads it; --model-dir DIR loads an existing one.
 
   python3 tools/bench_decode.py [--preset 4b] [--batches 1,4,8,16,32,64] [--ctx 1024] [--steps 30]
+      [--max-model-len N]   (the graphs' context bound, as a server sizes them; default ctx + 1)
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,4,8,16,32,64")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the context the graphs are sized for, as a server's --max-model-len (default: ctx + 1)")
     ap.add_argument("--prefill-chunk", type=int, default=16, help="sequences per eager prefill step")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--batch-invariant", action="store_true", help="CudaBackend(batch_invariant=True)")
@@ -114,7 +117,8 @@ def main(argv=None) -> None:
     t_prefill = time.perf_counter() - t
     print(f"prefill of {nmax} x {a.ctx} tokens: {t_prefill:.1f} s", flush=True)
 
-    graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0, max_blocks_per_seq=need)
+    width = max(need, -(-a.max_model_len // BS))
+    graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0, max_blocks_per_seq=width)
     rows = []
     print(f"{'batch':>5} {'bucket':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'capture s':>9} "
           f"{'graph tok/s':>11}", flush=True)
@@ -138,6 +142,7 @@ def main(argv=None) -> None:
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"]
     dev = dev.decode() if isinstance(dev, bytes) else dev
     Path(out).write_text(json.dumps(dict(preset=a.preset, weights=source, device=dev, ctx=a.ctx, steps=a.steps,
+                                         max_model_len=width * BS,
                                          batch_invariant=a.batch_invariant,
                                          load_s=t_load, prefill_s=t_prefill, rows=rows), indent=1))
     print(f"wrote {out}")

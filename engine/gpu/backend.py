@@ -473,11 +473,10 @@ class CudaBackend:
         if self.batch_invariant:  # splits at fixed key offsets (an empty split changes nothing in attn_combine)
             chunk = INVARIANT_SPLIT_KEYS
             nsplit = -(-meta.max_ctx // chunk)
-        else:
-            base, target, nsplit = n_dec * nkv, 2 * self.num_sms, 1
+        else:  # as many splits as fill the GPU twice; each token's keys spread evenly over them (chunk 0)
+            base, target, nsplit, chunk = n_dec * nkv, 2 * self.num_sms, 1, 0
             if base < target:
                 nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // 64)))
-            chunk = -(-meta.max_ctx // nsplit)
         if nsplit > 1:
             part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)
