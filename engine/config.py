@@ -169,7 +169,7 @@ class EngineArgs:
     """The engine's settings (vLLM's names); the CLI flags map onto these."""
     max_model_len: int | None = None          # default min(model window, 8192)
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192         # vLLM's default: a wave of arrivals is admitted together
     prefill_budget_with_decodes: int = 0      # prompt tokens in a step that also decodes (0: no cap beyond the above)
     max_waiting_requests: int = 1024          # submitted, not yet admitted: beyond this, 503
     num_kv_blocks: int | None = None          # default: from the memory budget

@@ -122,26 +122,31 @@ class Scheduler:
     def _take(self, req: Request, n: int, budget: int) -> int:
         """Tokens of req's n left to compute that go in this step: the budget's cut, or an earlier one at
         a position whose state the prefix cache saves."""
-        take = self._chunk(n, budget)
+        take = self._chunk(n, budget, req.num_computed)
         if take and self.prefix is not None:
             take = self.prefix.cut(req, take)
         return take
 
-    def _chunk(self, n: int, budget: int) -> int:
-        """Tokens of an n-token prefill that fit in budget (0: none this step)."""
+    def _chunk(self, n: int, budget: int, start: int) -> int:
+        """Tokens of an n-token prefill starting at position start that fit in budget (0: none this step)."""
         if n <= budget:
             return n
         a = self.chunk_align
         take = budget // a * a
         if a > 1 and n - take == 1:  # a one-token last chunk would take the decode kernels
             take -= a
+        elif a == 1 and self.prefix is not None and take >= 8 * self.prefix.chunk:
+            # end a cut chunk on the GDN chunk grid (losing < 1/8 of the take): the next chunk then starts on it
+            # and the kernels can save a prefix boundary inside it (prefix_cache.cut would otherwise end that
+            # chunk early at the boundary: one more step)
+            take = (start + take) // self.prefix.chunk * self.prefix.chunk - start
         return max(take, 0)
 
     def _admit(self, req: Request, budget: int) -> bool:
         """Admits the head if its first chunk fits the budget and its whole lifetime fits the pools."""
         m = self.prefix.match(req) if self.prefix is not None else None
         cached, shared = (m.tokens, m.blocks) if m is not None else (0, [])
-        if not self._chunk(req.num_tokens - cached, budget):
+        if not self._chunk(req.num_tokens - cached, budget, cached):
             return False
         need = self.kv.blocks_for(req.lifetime_tokens) - len(shared)
         if (len(self.running) >= self.max_num_seqs or not self.slots.num_free

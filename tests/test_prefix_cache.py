@@ -371,6 +371,25 @@ def test_a_boundary_off_the_chunk_grid_cuts_the_chunk():
     assert_idle(s)
 
 
+def test_a_large_budget_cut_ends_on_the_chunk_grid_so_the_next_boundary_is_saved_inside():
+    """A budget of 1000 cuts a 1100-token prompt: at 960 (the chunk grid), not at 1000, so the chunk after
+    it starts on the grid and the prompt's boundary 1088 is saved inside it: two steps, as with the cache
+    off. (Unaligned, the second chunk would start at 1000 and end early at 1088: three.)"""
+    s = sched(budget=1000)
+    a = req("a", toks(1100, 65))
+    s.add(a)
+    takes = []
+    while a.num_computed < 1100:
+        takes.append(s.schedule()[0][1])
+        s.advance(a, takes[-1])
+        s.prefix.commit(s.plan)
+    assert takes == [960, 140]
+    assert s.prefix.match(req("q", toks(1100, 65))).tokens == 1088
+    a.output_ids.append(1)
+    s.finish(a)
+    assert_idle(s)
+
+
 def test_batch_invariant_never_leaves_a_one_token_chunk():
     s = sched(align=64, min_tail=2, budget=4 + 128)
     d = Device(s)

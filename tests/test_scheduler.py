@@ -89,8 +89,8 @@ def test_aligned_chunks_for_batch_invariance():
     run_step(s, batch)
     batch = s.schedule()  # a and c decode; b: 9 left <= 18 fits
     assert [(r.request_id, n) for r, n in batch] == [("a", 1), ("c", 1), ("b", 9)]
-    assert s._chunk(17, 16) == 8 and s._chunk(9, 8) == 0 and s._chunk(10, 8) == 8  # never a 1-token tail
-    assert sched(budget=20)._chunk(17, 16) == 16  # unaligned: the whole budget
+    assert s._chunk(17, 16, 0) == 8 and s._chunk(9, 8, 0) == 0 and s._chunk(10, 8, 0) == 8  # never a 1-token tail
+    assert sched(budget=20)._chunk(17, 16, 0) == 16  # unaligned: the whole budget
 
 
 def test_pending_token_is_scheduled_unless_it_is_the_last():

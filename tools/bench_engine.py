@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingParams  # noqa: E402
+from engine.config import EngineArgs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-model-len", type=int, default=0, help="default: input + output + 16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
-                    help="default: 2048; with --one-wave, enough for every prompt of the largest level")
+                    help="default: the engine's; with --one-wave, enough for every prompt of the largest level")
     ap.add_argument("--one-wave", action="store_true", help="concurrency requests per level, all admitted in one step")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="keep the step trace (tools/trace_report.py)")
@@ -82,7 +83,7 @@ def main(argv=None) -> list[dict]:
     levels = [int(c) for c in a.concurrency.split(",")]
     trace = Path(a.trace_steps or Path(tempfile.mkdtemp()) / "steps.jsonl")
     trace.unlink(missing_ok=True)
-    budget = a.max_num_batched_tokens or (max(levels) * (a.input_len + 1) if a.one_wave else 2048)
+    budget = a.max_num_batched_tokens or (max(levels) * (a.input_len + 1) if a.one_wave else EngineArgs.max_num_batched_tokens)
     eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
                  batch_invariant=a.batch_invariant,
                  max_model_len=a.max_model_len or a.input_len + a.output_len + 16,

@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingParams  # noqa: E402
+from engine.config import EngineArgs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 
@@ -183,7 +184,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--only", default="a,b,c,d", help="comma-separated workloads")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-state-snapshots", type=int, default=None)
     ap.add_argument("--batch-invariant", action="store_true")
