@@ -80,6 +80,7 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&f)[E]) {
 }
 
 #define ATTN_WARPS 4
+#define ATTN_MIN_SPLIT_KEYS 64
 
 // q: [T, nh, HD] contiguous; gate: [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc: [blocks, bs, nkv, HD].
 // block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its absolute position
@@ -102,8 +103,9 @@ __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const int n_keys = positions[t] + 1;
     // chunk > 0: keys per split at fixed offsets (batch-invariant mode). 0: this token's own keys split
     // evenly over the grid's splits, so every split has work however far the context is below the
-    // max_ctx that sized the grid (a decode graph's grid is sized for max_model_len)
-    const int per = chunk > 0 ? chunk : (n_keys + nsplit - 1) / nsplit;
+    // max_ctx that sized the grid (a decode graph's grid is sized for max_model_len), but at least
+    // ATTN_MIN_SPLIT_KEYS each: the later splits of a short context stay empty (cheaper than tiny ones)
+    const int per = chunk > 0 ? chunk : max((n_keys + nsplit - 1) / nsplit, ATTN_MIN_SPLIT_KEYS);
     const int j0 = split * per;
     const int j1 = min(j0 + per, n_keys);
     const int* table = block_tables + (long long)tok_seq[t] * bt_stride;

@@ -35,6 +35,7 @@ from .prefill_tiles import PF_ROWS, leading_singles, prefill_tiles
 LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
+ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
 GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
 # Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
 # the longest context, so a row's partial sums would change with its neighbours)
@@ -476,7 +477,7 @@ class CudaBackend:
         else:  # as many splits as fill the GPU twice; each token's keys spread evenly over them (chunk 0)
             base, target, nsplit, chunk = n_dec * nkv, 2 * self.num_sms, 1, 0
             if base < target:
-                nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // 64)))
+                nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // ATTN_MIN_SPLIT_KEYS)))
         if nsplit > 1:
             part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)
