@@ -12,7 +12,7 @@ prefix caching off, then on, with issue 16's four measurements:
   (d) prompts of 100-500 tokens sharing a 64-token prefix, at c8: the hit rate (tokens restored /
       prompt tokens; target > 0) and TTFT.
 
-    python tools/bench_prefix.py MODEL_DIR --json prefix.json [--only a,c] [--repeat N] [--quick]
+    python tools/bench_prefix.py MODEL_DIR --json prefix.json [--only a,c] [--repeat N] [--quick] [--trace-steps P]
 
 Prints one table (off, on, on/off per measurement; medians over --repeat alternating off/on runs) and
 writes every row to --json. --quick runs
@@ -191,13 +191,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     ap.add_argument("--repeat", type=int, default=1, help="off/on pairs, alternating; the table shows medians")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace-steps", default=None, metavar="PREFIX",
+                    help="each engine's step trace to PREFIX-MODE-REP.jsonl (tools/trace_report.py)")
     a = ap.parse_args(argv)
     z = QUICK if a.quick else Sizes()
     rows = []
     for rep, mode in enumerate(("off", "on") * a.repeat):
         eng = Engine(a.model_dir, device=a.device, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
                      max_num_batched_tokens=a.max_num_batched_tokens, batch_invariant=a.batch_invariant,
-                     enable_prefix_caching=mode == "on", num_state_snapshots=a.num_state_snapshots)
+                     enable_prefix_caching=mode == "on", num_state_snapshots=a.num_state_snapshots,
+                     trace_steps=f"{a.trace_steps}-{mode}-{rep // 2}.jsonl" if a.trace_steps else None)
         try:
             _wave(eng, [[1] * z.cold_in], _params(2), 1)  # warm-up
             for w in a.only.split(","):
