@@ -351,6 +351,17 @@ def test_a_second_boundary_in_a_chunk_cuts_it():
     assert_idle(s)
 
 
+def prompt_chunks(s: Scheduler, r: Request) -> list[int]:
+    """Adds r alone and steps it (each step committed at once) until its prompt is computed: the chunk sizes."""
+    s.add(r)
+    takes = []
+    while r.num_computed < len(r.prompt_ids):
+        takes.append(s.schedule()[0][1])
+        s.advance(r, takes[-1])
+        s.prefix.commit(s.plan)
+    return takes
+
+
 def test_a_boundary_off_the_chunk_grid_cuts_the_chunk():
     """A chunk the budget started mid-chunk (at 100): the kernels have no state at 256 - 100 tokens, so the
     chunk ends at 256."""
@@ -360,13 +371,7 @@ def test_a_boundary_off_the_chunk_grid_cuts_the_chunk():
     assert [n for rid, _, n in d.first_chunks if rid == "a"] == [100]
     assert s.prefix.match(req("q", toks(300, 63))).tokens == 256
     b = req("b", toks(300, 64))
-    s.add(b)
-    takes = []
-    while b.num_computed < 300:
-        takes.append(s.schedule()[0][1])
-        s.advance(b, takes[-1])
-        s.prefix.commit(s.plan)
-    assert takes == [100, 100, 56, 44]
+    assert prompt_chunks(s, b) == [100, 100, 56, 44]
     s.finish(b)
     assert_idle(s)
 
@@ -377,13 +382,7 @@ def test_a_large_budget_cut_ends_on_the_chunk_grid_so_the_next_boundary_is_saved
     off. (Unaligned, the second chunk would start at 1000 and end early at 1088: three.)"""
     s = sched(budget=1000)
     a = req("a", toks(1100, 65))
-    s.add(a)
-    takes = []
-    while a.num_computed < 1100:
-        takes.append(s.schedule()[0][1])
-        s.advance(a, takes[-1])
-        s.prefix.commit(s.plan)
-    assert takes == [960, 140]
+    assert prompt_chunks(s, a) == [960, 140]
     assert s.prefix.match(req("q", toks(1100, 65))).tokens == 1088
     a.output_ids.append(1)
     s.finish(a)
