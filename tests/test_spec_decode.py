@@ -1,0 +1,310 @@
+"""Speculative decoding (`speculative_config`): the verify path, acceptance and the transactional
+rollback of the hybrid state, driven by test-only oracle drafters that propose from a recorded plain
+run (right for `right` tokens, then wrong; None: all right). CPU: the tiny and tiny3 models on NumPy;
+marked gpu: the 4B checkpoint (the `target` fixture).
+
+"Equal to a plain run" for states: a verify computes its tokens as one chunk (the chunked GDN form,
+multi-row matmuls) where plain decoding takes one token at a time, so states agree to float rounding
+(CPU_TOL relative; GPU: bf16 kernels, GPU_TOL); a rolled-back state is the one from before the verify
+bit for bit. Greedy tokens are identical on the CPU; on the GPU equal up to a flip within bf16 noise.
+"""
+import numpy as np
+import pytest
+from scipy import stats
+
+from engine import SamplingParams
+from engine.arrays import array_module, as_f32, to_numpy
+from engine.config import SpeculativeConfig
+from engine.drafter import NgramDrafter
+from engine.request import Request
+from engine.sampler import RowParams, Sampler
+from test_engine import drive, make, prompt
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+CPU_TOL, GPU_TOL = 2e-5, 3e-2
+GPU_NOISE = 0.12  # tests/test_engine.py: mean |dlogit| of bf16 batch-shape noise on the random 4B
+
+
+class Oracle:
+    """Proposes the recorded plain continuation of each prompt: its first `right` tokens as they are, the
+    rest off by one (None: all right). Only prompts in `plain` get drafts; the others decode plainly."""
+
+    def __init__(self, plain: dict, right: int | None = None):
+        self.plain, self.right = plain, right
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        want = self.plain.get(tuple(req.prompt_ids), [])[len(req.output_ids):][:k]
+        return [t if self.right is None or i < self.right else (t + 1) % 1000 for i, t in enumerate(want)]
+
+
+def run(target, prompts, sp, spec=None, drafter=None, **kw):
+    """Tokens per prompt (and the engine, stepped to idle) of one loop-less engine."""
+    kw = dict(dict(max_num_seqs=8, max_num_batched_tokens=64), **kw)
+    eng, col = make(target, speculative_config=spec, **kw)
+    if drafter is not None:
+        eng.drafter = drafter
+    rids = [eng.submit(p, s, col) for p, s in zip(prompts, sp if isinstance(sp, list) else [sp] * len(prompts))]
+    drive(eng, col, rids, max_steps=2000)
+    eng.step()  # collects the step launched after the last token
+    return [col.tokens(r) for r in rids], eng, col, rids
+
+
+def assert_idle(eng, init_memory=None):
+    st = eng.stats()
+    assert (st.running, st.waiting, st.kv_blocks_used, st.state_slots_free) == (0, 0, 0, st.state_slots_total)
+    if init_memory is not None:
+        assert st.device_memory_used == init_memory
+
+
+PROMPTS = [prompt(1, 20), prompt(2, 37), prompt(3, 5), prompt(4, 16)]  # across block boundaries (16)
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+def test_config_parse_and_errors(tiny_dir):
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 3, 3)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    assert SpeculativeConfig.parse(None) is None
+    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+                     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .*got 0"),
+                     ({"method": "ngram"}, "num_speculative_tokens must be"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, r"unknown keys \['k'\]"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+                       "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+                     ("{nope", "not valid JSON")]:
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.parse(bad)
+    with pytest.raises(ValueError, match="prefix caching"):
+        make(tiny_dir, speculative_config=SPEC, enable_prefix_caching=True)
+
+
+def test_cli_flag(tiny_dir, capsys):
+    from server.cli import build_parser, engine_kwargs
+    a = build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "ngram", '
+                                   '"num_speculative_tokens": 2}'])
+    assert engine_kwargs(a)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "mtp"}'])
+    assert e.value.code == 2 and "method 'mtp' is not supported" in capsys.readouterr().err
+
+
+def test_off_changes_nothing(tiny_dir):
+    """Speculation off: no scratch rows, no drafter, and the same steps (decodes overlapped)."""
+    eng, _ = make(tiny_dir)
+    assert eng.drafter is None and eng.runner.scratch is None
+    assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots
+    eng2, _ = make(tiny_dir, speculative_config=SPEC, max_num_seqs=4)
+    assert eng2.runner.cache.rec[0].shape[0] == eng2.slots.num_slots + 4  # one scratch row per sequence
+
+
+def test_ngram_drafter():
+    d = NgramDrafter(1, 3)
+    req = lambda ids: Request("r", ids[:2], SamplingParams(), 10, frozenset(), None,  # noqa: E731
+                              output_ids=ids[2:])
+    assert d.propose(req([1, 2, 3, 4, 5, 1, 2, 3]), 3) == [4, 5, 1]   # the longest suffix (3) first
+    assert d.propose(req([1, 2, 9, 1, 2, 7, 2]), 5) == [7, 2]         # the most recent occurrence
+    assert d.propose(req([7, 7, 7]), 4) == [7]                         # the continuation may overlap the suffix
+    assert d.propose(req([1, 2, 3]), 4) == [] and d.propose(req([5]), 2) == []
+    assert NgramDrafter(2, 3).propose(req([1, 2, 3, 1]), 4) == []      # a 1-token match is too short
+
+
+# ---- greedy identity -------------------------------------------------------------------------------
+@pytest.mark.parametrize("right", [None, 0, 2], ids=["accept-all", "reject-first", "prefix-2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_greedy_equals_plain(request, preset, right):
+    """c1 and a batch where half the requests speculate: tokens equal plain greedy; counters count."""
+    model = request.getfixturevalue(f"{preset}_dir")
+    sp = SamplingParams(max_tokens=24, **GREEDY)
+    want, eng, _, _ = run(model, PROMPTS, sp)
+    init = eng.stats().device_memory_used
+    plain = {tuple(p): t for p, t in zip(PROMPTS, want)}
+    got, eng, _, _ = run(model, PROMPTS[:1], sp, SPEC, Oracle(plain, right))  # c1
+    assert got == want[:1]
+    half = {k: v for i, (k, v) in enumerate(plain.items()) if i % 2 == 0}
+    got, eng, _, _ = run(model, PROMPTS, sp, SPEC, Oracle(half, right), max_num_batched_tokens=24)
+    assert got == want
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_draft_tokens >= st.spec_decode_num_drafts
+    accepted = {None: st.spec_decode_num_draft_tokens, 0: 0}.get(right)
+    if accepted is not None:
+        assert st.spec_decode_num_accepted_tokens == accepted
+    assert_idle(eng)
+    assert st.device_memory_used >= init  # the scratch rows
+
+
+def test_ngram_engine_greedy_equals_plain(tiny_dir):
+    """The real n-gram drafter on repetitive prompts whose last token is computed alone (a 1-token last
+    chunk: drafts from the prompt's own pattern): tokens equal plain greedy."""
+    prompts = [prompt(i, 8) * 4 + prompt(i, 1) for i in range(3)]  # 33 tokens: chunks of 16, 16, 1
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    want, _, _, _ = run(tiny_dir, prompts, sp, max_num_batched_tokens=16, max_num_seqs=1)
+    spec = dict(SPEC, prompt_lookup_min=1, prompt_lookup_max=4)
+    got, eng, _, _ = run(tiny_dir, prompts, sp, spec, max_num_batched_tokens=16, max_num_seqs=1)
+    assert got == want
+    assert eng.stats().spec_decode_num_drafts >= 3
+    assert_idle(eng)
+
+
+def test_penalties_and_logprobs_equal_plain(tiny_dir):
+    """Greedy with a repetition penalty, min_tokens and logprobs: every verify row is processed with the
+    drafts before it counted as output; tokens equal and logprobs within float rounding."""
+    sp = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                        min_tokens=6, logprobs=3, ignore_eos=True)
+    want, _, col0, r0 = run(tiny_dir, PROMPTS[:2], sp)
+    plain = {tuple(p): t for p, t in zip(PROMPTS, want)}
+    got, eng, col1, r1 = run(tiny_dir, PROMPTS[:2], sp, SPEC, Oracle(plain, 2))
+    assert got == want and eng.stats().spec_decode_num_accepted_tokens > 0
+    for a, b in zip(r0, r1):
+        la = [lp for e in col0.events[a] for lp in e.logprobs or []]
+        lb = [lp for e in col1.events[b] for lp in e.logprobs or []]
+        assert len(la) == len(lb) == 16
+        for x, y in zip(la, lb):
+            assert x.token_id == y.token_id and list(x.top_logprobs) == list(y.top_logprobs)
+            assert abs(x.logprob - y.logprob) < 1e-3
+
+
+# ---- the hybrid state after every step -------------------------------------------------------------
+def _state(eng, req):
+    """req's GDN conv and recurrent rows and the K/V of its computed positions, f32 on the host."""
+    c = eng.runner.cache
+    xp = array_module(c.rec[0])
+    pos = np.arange(req.num_computed)
+    blocks = xp.asarray(np.asarray(req.block_ids)[pos // c.block_size])
+    off = xp.asarray(pos % c.block_size)
+    return [np.array(to_numpy(as_f32(x))) for x in [a[req.slot] for a in c.conv + c.rec] +
+            [a[blocks, off] for a in c.k + c.v]]
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("right", [None, 0, 1, 2], ids=["accept-all", "reject-first", "prefix-1", "prefix-2"])
+def test_state_after_each_step_equals_plain(target, right):
+    """After each step (its tokens collected, a rejection rolled back), the request's KV up to its
+    committed position and every GDN conv and recurrent state equal those of a plain run at the same
+    position; a rolled-back state equals the state before the verify bit for bit."""
+    p, sp = prompt(7, 37), SamplingParams(max_tokens=20, **GREEDY)
+    tol = CPU_TOL if target[1] == "cpu" else GPU_TOL
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64)
+    rid = eng.submit(p, sp, col)
+    ref = {}
+    while not (rid in col.events and col.last(rid).finished):
+        eng.step()
+        req = eng._requests.get(rid)
+        if req is not None:
+            ref[req.num_computed] = _state(eng, req)
+    want = col.tokens(rid)
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64, speculative_config=SPEC)
+    eng.drafter = Oracle({tuple(p): want}, right)
+    rid = eng.submit(p, sp, col)
+    prev, seen, rolled = None, set(), 0
+    while True:
+        eng.step()
+        eng._flush()  # collect now (the next step would first): its rollback is then done
+        req = eng._requests.get(rid)
+        if req is None:
+            break
+        now = _state(eng, req)
+        if prev is not None and prev[0] == req.num_computed:  # a verify rejected: back to where it began
+            rolled += 1
+            assert all(np.array_equal(a, b) for a, b in zip(now, prev[1]))
+        errs = [_rel(a, b) for a, b in zip(now, ref[req.num_computed])]
+        assert max(errs) < tol, (req.num_computed, errs)
+        seen.add(req.num_computed)
+        prev = (req.num_computed, now)
+    assert col.tokens(rid) == want or target[1] == "cuda"
+    assert rolled > 0 if right is not None else rolled == 0
+    assert len(seen) > 3
+    assert_idle(eng)
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+def test_seeded_sampling_reproducible(tiny_dir):
+    sp = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(4)]
+    plain = {tuple(p): prompt(50 + i, 16) for i, p in enumerate(PROMPTS)}  # drafts that are mostly rejected
+    a, _, _, _ = run(tiny_dir, PROMPTS, sp, SPEC, Oracle(plain))
+    b, eng, _, _ = run(tiny_dir, PROMPTS, sp, SPEC, Oracle(plain), max_num_batched_tokens=24)
+    assert a == b
+    assert eng.stats().spec_decode_num_drafts > 0
+    assert_idle(eng)
+
+
+def test_rejection_sampling_matches_plain_distribution(tiny_dir):
+    """The second token of a top-5 sampled request, whose verify drafts the second most likely token:
+    accepted or replaced, it is distributed as plain sampling's p (chi-square), and both branches occur."""
+    p0 = prompt(11, 6)
+    sp = SamplingParams(max_tokens=4, temperature=1.0, top_k=5, ignore_eos=True)
+    first, _, _, _ = run(tiny_dir, [p0], SamplingParams(max_tokens=1, **GREEDY))
+    t1 = first[0][0]
+    logits = {}
+    eng, col = make(tiny_dir)
+    eng.runner.logits_hook = lambda reqs, x: logits.setdefault("row", np.array(x[0])) is None or x
+    drive(eng, col, [eng.submit(p0 + [t1], SamplingParams(max_tokens=1, **GREEDY), col)])
+    probs = Sampler().process(logits["row"][None].astype(np.float32), [RowParams(temperature=1.0, top_k=5)])[0]
+    probs = np.exp(probs - probs.max())
+    probs /= probs.sum()
+    support = np.argsort(-probs)[:5]
+    draft = [int(support[1]), int(support[0])]
+
+    class Fixed:
+        def propose(self, req, k):
+            return draft[:k] if req.output_ids == [t1] else []
+    n = 1200
+    got, eng, _, _ = run(tiny_dir, [p0] * n, [SamplingParams(**dict(vars(sp), seed=i)) for i in range(n)],
+                         {"method": "ngram", "num_speculative_tokens": 2}, Fixed(),
+                         max_num_seqs=64, max_num_batched_tokens=512, max_waiting_requests=n)
+    second = [t[1] for t in got if t[0] == t1]
+    assert len(second) > 150
+    counts = np.array([second.count(int(t)) for t in support])
+    assert counts.sum() == len(second)  # never outside the top 5
+    assert stats.chisquare(counts, probs[support] * len(second)).pvalue > 1e-3
+    st = eng.stats()
+    assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
+    assert_idle(eng)
+
+
+# ---- limits, stops, aborts ----------------------------------------------------------------------------
+def test_max_tokens_stop_and_eos_inside_an_accepted_run(tiny_dir):
+    """With every draft accepted (4 per verify), max_tokens, a stop token id and a stop string that fall
+    inside a verify's run end the request where plain decoding ends it, with the same text."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    base = SamplingParams(max_tokens=30, **GREEDY)
+    want, _, col, rids = run(tiny_dir, PROMPTS[:1], base)
+    full, text = want[0], col.text(rids[0])
+    oracle = Oracle({tuple(PROMPTS[0]): full})
+    stop_str = next(text[i:i + 2] for i in range(5, len(text)) if text[i:i + 2].strip() and
+                    text.find(text[i:i + 2]) == i)
+    cases = [SamplingParams(max_tokens=7, **GREEDY), SamplingParams(max_tokens=30, stop_token_ids=[full[8]], **GREEDY),
+             SamplingParams(max_tokens=30, stop=[stop_str], **GREEDY)]
+    for sp in cases:
+        a, _, ca, ra = run(tiny_dir, PROMPTS[:1], sp)
+        b, eng, cb, rb = run(tiny_dir, PROMPTS[:1], sp, spec, oracle)
+        assert a == b and ca.text(ra[0]) == cb.text(rb[0])
+        assert (ca.last(ra[0]).finish_reason, ca.last(ra[0]).stop_reason) == \
+               (cb.last(rb[0]).finish_reason, cb.last(rb[0]).stop_reason)
+        assert eng.stats().spec_decode_num_accepted_tokens > 0
+        assert_idle(eng)
+    assert len(a[0]) < 30
+
+
+def test_abort_mid_verify_leaks_nothing(target):
+    p, sp = prompt(8, 20), SamplingParams(max_tokens=40, **GREEDY)
+    want, _, _, _ = run(target, [p], sp)
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64, speculative_config=SPEC)
+    init = eng.stats().device_memory_used
+    eng.drafter = Oracle({tuple(p): want[0]}, 1)
+    rid = eng.submit(p, sp, col)
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None and eng._inflight.verify is not None  # a verify's sampling in flight
+    eng.abort(rid)
+    eng.step()
+    assert col.last(rid).finish_reason == "abort"
+    eng.step()
+    assert_idle(eng, init)
+    # the slot serves the next request from zero state: its tokens are a fresh run's
+    rid = eng.submit(p, sp, col)
+    drive(eng, col, [rid])
+    assert col.tokens(rid) == want[0] or target[1] == "cuda"
