@@ -81,9 +81,11 @@ def launch(sampler: Sampler, logits, top, reqs: list[Request], drafts: list[list
             g = reqs[j].generator or sampler.rng
             u[j] = np.array([g.random() for _ in drafts[j]])
         srows = [proc[j] + i for j in sampled for i in range(len(drafts[j]) + 1)]
-        if srows:  # temperature 1 over processed rows: a plain inverse-CDF draw from their softmax
+        if srows:  # temperature 1 over processed rows: an inverse-CDF draw from their softmax (top-k again
+            # keeps every candidate left, and lets the sampler draw among them alone; top-p must not cut twice)
             draw = sampler.launch(masked if len(srows) == len(idx) else take_rows(masked, srows),
-                                  [RowParams(temperature=1.0, generator=params[i].generator) for i in srows])
+                                  [RowParams(temperature=1.0, top_k=params[i].top_k, generator=params[i].generator)
+                                   for i in srows])
             at = 0
             for j in sampled:
                 samp[j], at = at, at + len(drafts[j]) + 1
