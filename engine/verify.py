@@ -38,10 +38,10 @@ class VerifyInFlight:
     top: HostCopy              # [R, 2] argmax_finite of `logits`
     proc: dict                 # request index -> its first row among the processed rows
     best: HostCopy | None      # [P] argmax of each processed row (greedy requests' tokens)
-    p_draft: HostCopy | None   # [P] p_i(d_{i+1}) of each processed row (0 on a bonus row)
-    draw: DrawInFlight | None  # a draw from each sampled request's processed row with its draft zeroed
+    p_draft: HostCopy | None   # p_i(d_{i+1}) of each sampled request's processed row (0 on a bonus row)
+    draw: DrawInFlight | None  # a draw from each of those rows with its draft zeroed
     u: dict                    # request index -> its k acceptance uniforms (sampled requests)
-    samp: dict                 # request index -> its first row in `draw` (sampled requests)
+    samp: dict                 # request index -> its first row in `p_draft` and `draw` (sampled requests)
 
 
 def launch(sampler: Sampler, logits, top, reqs: list[Request], drafts: list[list[int]], first: list[int],
@@ -65,30 +65,29 @@ def launch(sampler: Sampler, logits, top, reqs: list[Request], drafts: list[list
         # a non-finite row ends its request in finish(); until then it computes on zeros
         x = sampler.process(xp.where(fin[:, None] != 0, x, np.float32(0)), params)
         best = HostCopy(x.argmax(1))
-        d = np.array(drow, np.int64)
-        on = np.flatnonzero(d >= 0)
-        r_on, d_on = xp.asarray(on), xp.asarray(d[on])
-        m = x.max(1, keepdims=True)
-        e = xp.exp(x - m)
-        p = xp.zeros(len(idx), xp.float64)
-        p[r_on] = e[r_on, d_on].astype(xp.float64) / e[r_on].sum(1, dtype=xp.float64)
-        p_draft = HostCopy(p)
-        masked = x.copy()
-        masked[r_on, d_on] = NEG
-        masked = xp.where((masked > NEG).any(1, keepdims=True), masked, x)  # a draft holding all the mass
         sampled = [j for j in proc if reqs[j].params.temperature >= GREEDY_EPS]
+        srows = []  # the sampled requests' rows among the processed ones
         for j in sampled:  # acceptance uniforms first, then the replacement draws' (sampler.launch)
+            samp[j] = len(srows)
+            srows += range(proc[j], proc[j] + len(drafts[j]) + 1)
             g = reqs[j].generator or sampler.rng
             u[j] = np.array([g.random() for _ in drafts[j]])
-        srows = [proc[j] + i for j in sampled for i in range(len(drafts[j]) + 1)]
-        if srows:  # temperature 1 over processed rows: an inverse-CDF draw from their softmax (top-k again
-            # keeps every candidate left, and lets the sampler draw among them alone; top-p must not cut twice)
-            draw = sampler.launch(masked if len(srows) == len(idx) else take_rows(masked, srows),
-                                  [RowParams(temperature=1.0, top_k=params[i].top_k, generator=params[i].generator)
-                                   for i in srows])
-            at = 0
-            for j in sampled:
-                samp[j], at = at, at + len(drafts[j]) + 1
+        if srows:
+            xs = x if len(srows) == len(idx) else take_rows(x, srows)
+            d = np.array([drow[i] for i in srows], np.int64)
+            on = np.flatnonzero(d >= 0)
+            r_on, d_on = xp.asarray(on), xp.asarray(d[on])
+            e = xp.exp(xs - xs.max(1, keepdims=True))
+            p = xp.zeros(len(srows), xp.float64)
+            p[r_on] = e[r_on, d_on].astype(xp.float64) / e[r_on].sum(1, dtype=xp.float64)
+            p_draft = HostCopy(p)
+            masked = xs.copy()
+            masked[r_on, d_on] = NEG
+            masked = xp.where((masked > NEG).any(1, keepdims=True), masked, xs)  # a draft holding all the mass
+            # temperature 1: an inverse-CDF draw from the rows' softmax (top-k again keeps every candidate
+            # left and lets the sampler draw among them alone; top-p must not cut twice)
+            draw = sampler.launch(masked, [RowParams(temperature=1.0, top_k=params[i].top_k,
+                                                     generator=params[i].generator) for i in srows])
     return VerifyInFlight(reqs, drafts, first, rows, logits, HostCopy(top), proc, best, p_draft, draw, u, samp)
 
 
@@ -106,9 +105,9 @@ def finish(v: VerifyInFlight) -> list[tuple[Request, list | Exception, int]]:
             out.append((req, v.rows[j], k))
             continue
         if j in v.u:  # sampled: accept while u_i < p_i(d_{i+1}); then the replacement draw (bonus if a = k)
-            q = v.proc[j]
+            q = v.samp[j]
             a = next((i for i in range(k) if not v.u[j][i] < p[q + i]), k)
-            tokens = d[:a] + [int(drawn[v.samp[j] + a])]
+            tokens = d[:a] + [int(drawn[q + a])]
         else:          # greedy: accept while d_{i+1} == t_i; then t_a
             t = top[r0:r0 + k + 1, 0] if j not in v.proc else best[v.proc[j]:v.proc[j] + k + 1]
             a = next((i for i in range(k) if d[i] != t[i]), k)

@@ -89,13 +89,27 @@ def test_cli_flag(tiny_dir, capsys):
     assert e.value.code == 2 and "method 'mtp' is not supported" in capsys.readouterr().err
 
 
+def _fed(eng):
+    """Records, per forward, whether a sampling still in flight fed it (host and device overlapped)."""
+    fed, real = [], eng.runner.forward
+    eng.runner.forward = lambda batch, prev, plan=None: fed.append(prev is not None) or real(batch, prev, plan)
+    return fed
+
+
 def test_off_changes_nothing(tiny_dir):
-    """Speculation off: no scratch rows, no drafter, and the same steps (decodes overlapped)."""
-    eng, _ = make(tiny_dir)
+    """Speculation off: no scratch rows, no drafter, and decodes fed on the device (overlapped). On: one
+    scratch row per sequence, and each step collects before it launches."""
+    eng, col = make(tiny_dir)
     assert eng.drafter is None and eng.runner.scratch is None
     assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots
-    eng2, _ = make(tiny_dir, speculative_config=SPEC, max_num_seqs=4)
-    assert eng2.runner.cache.rec[0].shape[0] == eng2.slots.num_slots + 4  # one scratch row per sequence
+    fed = _fed(eng)
+    drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=6, **GREEDY), col)])
+    assert fed == [False] + [True] * 5
+    eng, col = make(tiny_dir, speculative_config=SPEC, max_num_seqs=4)
+    assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots + 4
+    fed = _fed(eng)
+    drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=6, **GREEDY), col)])
+    assert fed == [False] * 6
 
 
 def test_ngram_drafter():
