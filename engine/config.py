@@ -218,8 +218,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method {method!r} is not supported (one of {list(SPEC_METHODS)})")
         k = value.get("num_speculative_tokens")
         if type(k) is not int or not 1 <= k <= MAX_SPEC_TOKENS:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in [1, {MAX_SPEC_TOKENS}], "
-                             f"got {k!r}")
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPEC_TOKENS}], got {k!r}")
         # vLLM: both default to 5, and one given alone sets the other
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)

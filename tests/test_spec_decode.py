@@ -38,15 +38,30 @@ class Oracle:
         return [t if self.right is None or i < self.right else (t + 1) % 1000 for i, t in enumerate(want)]
 
 
+def outside_reservation(eng) -> list:
+    """Records each (request, end) a forward computes past the request's lifetime reservation (prompt +
+    max_tokens, and its KV blocks); it stays empty if a verify's drafts are capped as they must be."""
+    real, bad = eng.runner.forward, []
+
+    def forward(batch, prev, plan=None):
+        bad.extend((req.request_id, req.num_computed + n) for req, n in batch if req.num_computed + n >
+                   min(req.lifetime_tokens, len(req.block_ids) * eng.kv.block_size))
+        return real(batch, prev, plan)
+    eng.runner.forward = forward
+    return bad
+
+
 def run(target, prompts, sp, spec=None, drafter=None, **kw):
     """Tokens per prompt (and the engine, stepped to idle) of one loop-less engine."""
     kw = dict(dict(max_num_seqs=8, max_num_batched_tokens=64), **kw)
     eng, col = make(target, speculative_config=spec, **kw)
+    bad = outside_reservation(eng)
     if drafter is not None:
         eng.drafter = drafter
     rids = [eng.submit(p, s, col) for p, s in zip(prompts, sp if isinstance(sp, list) else [sp] * len(prompts))]
     drive(eng, col, rids, max_steps=2000)
     eng.step()  # collects the step launched after the last token
+    assert bad == []
     return [col.tokens(r) for r in rids], eng, col, rids
 
 
