@@ -407,3 +407,60 @@ def test_abort_mid_verify_leaks_nothing(target):
     rid = eng.submit(p, sp, col)
     drive(eng, col, [rid])
     assert col.tokens(rid) == want[0] or target[1] == "cuda"
+
+
+def test_non_finite_verify_row_ends_that_request_alone(tiny_dir):
+    """A NaN in one speculating request's verify rows (greedy, then sampled with logprobs) ends it with an
+    error; the others finish as they do without the fault; nothing leaks."""
+    sp = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=12, **GREEDY),
+          SamplingParams(max_tokens=12, temperature=0.7, seed=1, logprobs=2, ignore_eos=True)]
+    plain = {tuple(p): t for p, t in zip(PROMPTS, run(tiny_dir, PROMPTS[:3], sp)[0])}
+    want, _, _, _ = run(tiny_dir, PROMPTS[:3], sp, SPEC, Oracle(plain))
+    for bad in (0, 2):
+        eng, col = make(tiny_dir, max_num_seqs=4, max_num_batched_tokens=64, speculative_config=SPEC)
+        eng.drafter = Oracle(plain)
+        rids = [eng.submit(p, s, col) for p, s in zip(PROMPTS[:3], sp)]
+
+        def nan_in_verify(reqs, logits):
+            for j, r in enumerate(reqs):
+                if r.request_id == rids[bad] and r.drafts and len(r.output_ids) > 3:
+                    logits[j, 5] = np.nan
+            return logits
+        eng.runner.logits_hook = nan_in_verify
+        drive(eng, col, rids)
+        eng.step()
+        assert col.last(rids[bad]).finish_reason == "error" and "non-finite" in col.last(rids[bad]).error
+        assert [col.tokens(r) for i, r in enumerate(rids) if i != bad] == [w for i, w in enumerate(want) if i != bad]
+        assert eng.stats().spec_decode_num_accepted_tokens > 0
+        assert_idle(eng)
+
+
+def test_server_streams_verified_tokens_and_counts_them(tiny_dir):
+    """Through the HTTP server: a speculating request's completion, whole and streamed (several tokens
+    per step, one event each), is the plain greedy text, and /metrics counts the drafts."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from server.app import ServerContext, build_app
+    want, _, col, rids = run(tiny_dir, PROMPTS[:1], SamplingParams(max_tokens=10, **GREEDY))
+    eng, _ = make(tiny_dir, max_num_seqs=2, speculative_config=SPEC)
+    eng.drafter = Oracle({tuple(PROMPTS[0]): want[0]})
+    eng._thread.start()
+    req = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    try:
+        with TestClient(build_app(ServerContext(eng, "tiny", "tiny"))) as c:
+            r = c.post("/v1/completions", json=req)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == col.text(rids[0])
+            assert r.json()["usage"]["completion_tokens"] == 10
+            with c.stream("POST", "/v1/completions", json=dict(req, stream=True)) as s:
+                chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == col.text(rids[0])
+            text = c.get("/metrics").text
+    finally:
+        eng.shutdown()
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    assert counts["vllm:spec_decode_num_drafts_total"] > 0
+    assert counts["vllm:spec_decode_num_draft_tokens_total"] >= counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
