@@ -11,7 +11,8 @@ when that token is its last (max_tokens).
 
 Speculative decoding: a decoding request with `drafts` (engine.py proposes them before schedule())
 is scheduled as a verify, its pending token and the drafts, 1 + k tokens (the drafts cut to what the
-budget leaves); verifies go after the plain decodes, so single-token sequences still lead the step.
+budget leaves after one token for every decoding request); verifies go after the plain decodes, so
+single-token sequences still lead the step.
 After a verify that rejected a draft, `rewind` takes the request back to where the verify began.
 
 With a PrefixCache (prefix_cache.py) admission first looks the prompt up: a hit starts the request
@@ -89,10 +90,12 @@ class Scheduler:
         partial prefills, then newly admitted requests) within the token budget."""
         budget = self.max_num_batched_tokens
         decodes, verifies, prefills = [], [], []
-        for req in self.running:
-            n = req.num_tokens - req.num_computed
-            if n == 1 and budget > 0 and not req.at_limit:
-                del req.drafts[budget - 1:]  # the drafts the budget leaves room for
+        decoding = [req for req in self.running if req.num_tokens - req.num_computed == 1 and not req.at_limit]
+        spare = budget - len(decoding)  # drafts get what every decode's own token leaves (none starves)
+        for req in decoding:
+            if budget > 0:
+                del req.drafts[max(spare, 0):]
+                spare -= len(req.drafts)
                 take = self._take(req, 1 + len(req.drafts), budget)
                 (verifies if req.drafts else decodes).append((req, take))
                 budget -= take
