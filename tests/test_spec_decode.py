@@ -299,12 +299,20 @@ def test_state_after_each_step_equals_plain(target, right):
 
 # ---- sampling ---------------------------------------------------------------------------------------
 def test_seeded_sampling_reproducible(tiny_dir):
-    sp = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(4)]
-    plain = {tuple(p): prompt(50 + i, 16) for i, p in enumerate(PROMPTS)}  # drafts that are mostly rejected
-    a, _, _, _ = run(tiny_dir, PROMPTS, sp, SPEC, Oracle(plain))
-    b, eng, _, _ = run(tiny_dir, PROMPTS, sp, SPEC, Oracle(plain), max_num_batched_tokens=24)
-    assert a == b
-    assert eng.stats().spec_decode_num_drafts > 0
+    """Seeded sampled requests (with logprobs) give the same tokens and logprobs in another batch order and
+    budget, one logprob entry per emitted token, of that token."""
+    sp = [SamplingParams(max_tokens=16, temperature=0.3, top_k=20, seed=i, logprobs=1, ignore_eos=True)
+          for i in range(4)]
+    plain = {tuple(p): t for p, t in zip(PROMPTS, run(tiny_dir, PROMPTS, sp)[0])}  # drafts: plain samples
+    a, _, ca, ra = run(tiny_dir, PROMPTS, sp, SPEC, Oracle(plain))
+    b, eng, cb, rb = run(tiny_dir, PROMPTS[::-1], sp[::-1], SPEC, Oracle(plain), max_num_batched_tokens=24)
+    assert a == b[::-1]
+    lps = lambda col, r: [(x.token_id, x.logprob) for e in col.events[r] for x in e.logprobs or []]  # noqa: E731
+    for r, q, toks in zip(ra, rb[::-1], a):  # logprobs to NumPy's M-dependent rounding (test_prefix_engine.py)
+        assert [t for t, _ in lps(ca, r)] == [t for t, _ in lps(cb, q)] == toks
+        assert np.allclose([x for _, x in lps(ca, r)], [x for _, x in lps(cb, q)], atol=1e-4)
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_accepted_tokens > 0
     assert_idle(eng)
 
 
