@@ -184,3 +184,47 @@ class EngineArgs:
     trace_steps: str | None = None            # JSONL path: one line per step (kind, sizes, timings)
     enable_prefix_caching: bool = False       # shared KV blocks + GDN state snapshots (prefix_cache.py)
     num_state_snapshots: int | None = None    # snapshot pool size with prefix caching (default: memory.py)
+    speculative_config: dict | str | None = None  # vLLM's JSON (SpeculativeConfig.parse); None: off
+
+
+SPEC_METHODS = ("ngram",)  # the drafters built so far (engine/drafter.py)
+MAX_SPEC_TOKENS = 15       # a verify is at most 16 tokens per sequence (DFlash's block)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, vLLM's keys: the drafter and how many tokens it proposes per step."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5    # ngram: the longest suffix matched ...
+    prompt_lookup_min: int = 5    # ... down to this one
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
+        """A JSON object (or its text) -> the config, None when off; a ValueError names what is wrong."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        method = value.get("method")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not supported (one of {list(SPEC_METHODS)})")
+        k = value.get("num_speculative_tokens")
+        if type(k) is not int or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPEC_TOKENS}], got {k!r}")
+        # vLLM: both default to 5, and one given alone sets the other
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        if type(lo) is not int or type(hi) is not int or not 1 <= lo <= hi:
+            raise ValueError(f"speculative_config: need integers 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {lo!r} and {hi!r}")
+        return cls(method, k, hi, lo)

@@ -4,6 +4,9 @@ The outside talks to it only through `submit`/`add_request` (validated in the ca
 so a server can answer 400/503 before sending headers), `abort`, and per-request event sinks.
 Each step is schedule (scheduler.py) -> run (runner.py: launch the forward) -> postprocess (the
 previous step's tokens: detokenize, stop, finish), with the device one step ahead of the host.
+
+Speculative decoding (`speculative_config`, off by default): a drafter proposes tokens for each
+request about to decode and the step verifies them (runner.py, verify.py); see step().
 """
 from __future__ import annotations
 
@@ -19,14 +22,15 @@ from typing import Callable
 
 import numpy as np
 
-from .config import GDN_CHUNK, EngineArgs, ModelConfig
+from .config import GDN_CHUNK, EngineArgs, ModelConfig, SpeculativeConfig
+from .drafter import make_drafter
 from .kv_blocks import DUMMY_BLOCK, KVBlockManager
 from .memory import plan_cache
 from .model import Qwen35Model
 from .ops import make_backend
 from .prefix_cache import Plan, PrefixCache
 from .request import Request, RequestOutput, Status, StopStringBuffer
-from .runner import ForwardInFlight, ModelRunner
+from .runner import ForwardInFlight, ModelRunner, Verified
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import AdmissionError, OverloadedError, Scheduler
@@ -67,6 +71,10 @@ class EngineStats:
     state_snapshots_used: int = 0             # reserved or pinned by running requests
     state_snapshots_cached: int = 0           # published
     state_snapshots_total: int = 0
+    # speculative decoding (all 0 when it is off); vLLM's spec_decode counters
+    spec_decode_num_drafts: int = 0           # verifies (a request's drafts checked in one step)
+    spec_decode_num_draft_tokens: int = 0     # drafted tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of which accepted (bonus tokens not counted)
 
 
 class RequestStream:
@@ -112,11 +120,15 @@ class Engine:
         if a.max_num_batched_tokens < a.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({a.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({a.max_num_seqs}) so every running sequence can decode each step")
+        spec = SpeculativeConfig.parse(a.speculative_config)
+        if spec is not None and a.enable_prefix_caching:
+            raise ValueError("speculative decoding does not work with prefix caching yet (a verify's KV blocks and "
+                             "saves would be published before its drafts are accepted): choose one")
         backend = make_backend(a.device, a.batch_invariant)
         backend.load_kernels(cfg)  # compiles in the background while the weights load
         model = Qwen35Model(cfg, load_weights(model_dir, cfg), backend)
         t_weights = time.perf_counter()
-        plan = plan_cache(model, a, max_len)
+        plan = plan_cache(model, a, max_len, spec.num_speculative_tokens if spec else 0)
         self.kv = KVBlockManager(plan.num_blocks, a.block_size)
         self.slots = StateSlotPool(plan.num_slots)
         self.prefix = None
@@ -130,12 +142,16 @@ class Engine:
                                    max_waiting_requests=a.max_waiting_requests,
                                    # the GDN chunk: prompt chunks then keep the chunked form's boundaries
                                    chunk_align=GDN_CHUNK if a.batch_invariant else 1, prefix=self.prefix)
-        cache = model.alloc_cache(plan.num_slots + plan.num_snapshots, self.kv.num_blocks, a.block_size)
+        cache = model.alloc_cache(plan.num_slots + plan.num_snapshots + plan.num_scratch, self.kv.num_blocks,
+                                  a.block_size)
         log.info(plan.describe(backend.name, model.weight_bytes(), a))
         if self.prefix is not None and not plan.num_snapshots:
             log.warning("prefix caching is on but the memory plan left no GDN state snapshots: every request is "
                         "served cold (give --num-state-snapshots)")
-        self.runner = ModelRunner(model, cache, Sampler(a.seed))
+        self.spec = spec
+        self.drafter = make_drafter(spec) if spec else None  # tests swap in oracle drafters
+        self.runner = ModelRunner(model, cache, Sampler(a.seed),
+                                  scratch=plan.num_slots + plan.num_snapshots if spec else None)
         if backend.needs_warm_up:
             self.runner.warm_up(min(a.max_num_batched_tokens, max_len))
         if backend.decode_graphs and not a.enforce_eager:
@@ -273,9 +289,18 @@ class Engine:
         runner.py), so scheduling, metadata, detokenization and event delivery overlap the device's
         work. A request that finishes on the token collected here was scheduled once more; that row
         is computed and dropped (its KV reservation covers it). Results arrive one step() later: a
-        step's tokens are delivered by the next call."""
+        step's tokens are delivered by the next call.
+
+        With speculative decoding the step collects first, then asks the drafter, then schedules: a
+        request's drafts continue its latest tokens, and where its next step starts depends on how
+        many drafts its last verify accepted, both known only once its tokens are on the host. So such
+        an engine does not overlap (the device waits while the host schedules and delivers); with
+        speculation off nothing here changes."""
         self._drain(block and not self._requests and self._inflight is None)
         t0 = time.perf_counter()
+        if self.drafter is not None:
+            self._flush(t0)                                                 # 0. step n's tokens first
+            self._propose()
         batch = self.scheduler.schedule()                                   # 1. schedule (host only)
         t1 = time.perf_counter()
         info = None
@@ -283,6 +308,8 @@ class Engine:
             info = StepTrace.begin(batch, t0, t1, (t0 - self._last_step_end) * 1e3 if self._inflight is None else 0.0)
             if self.prefix is not None:  # the state copies around its forward (their time is in gpu_ms)
                 info.update(restores=len(self.scheduler.plan.restore), saves=len(self.scheduler.plan.save))
+            if self.drafter is not None:
+                info.update(draft_tokens=sum(len(req.drafts) for req, _ in batch))
         launched, error = self._launch(batch) if batch else (None, None)   # 2. run: step n+1 enqueued
         t2 = time.perf_counter()
         self._flush(t0 if batch else None)                                  # 3. postprocess step n
@@ -297,6 +324,15 @@ class Engine:
             else:
                 self._step_trace = (info, launched.marks)
         self._last_step_end = time.perf_counter()
+
+    def _propose(self) -> None:
+        """Drafts for each running request about to decode: at most what max_tokens leaves after the bonus
+        token (a verify never emits past max_tokens, nor computes a position past its KV reservation)."""
+        k = self.spec.num_speculative_tokens
+        for req in self.scheduler.running:
+            room = min(k, req.max_tokens - len(req.output_ids) - 1)
+            decoding = req.num_tokens - req.num_computed == 1
+            req.drafts = self.drafter.propose(req, room)[:room] if decoding and room > 0 else []
 
     def _launch(self, batch) -> tuple[ForwardInFlight | None, Exception | None]:
         with self._lock:  # a request's first chunk starts at its cached tokens (0 without a prefix hit)
@@ -360,6 +396,8 @@ class Engine:
                 continue
             if isinstance(res, Exception):
                 self._finish(req, "error", error=f"{type(res).__name__}: {res}")
+            elif isinstance(res, Verified):
+                self._on_verified(req, res)
             else:
                 self._on_token(req, res)
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
@@ -416,6 +454,22 @@ class Engine:
             self._finish(req, done[0], done[1], out)
         else:
             self._emit(req, out)
+
+    def _on_verified(self, req: Request, res: Verified) -> None:
+        """A verify's tokens, delivered one by one as plain decoding would (stop tokens, stop strings and
+        max_tokens end the request at the first that finishes it); if a draft was rejected, the state
+        goes back to where the verify began and the accepted tokens are computed again next step."""
+        s = self._stats
+        s.spec_decode_num_drafts += 1
+        s.spec_decode_num_draft_tokens += res.drafted
+        s.spec_decode_num_accepted_tokens += len(res.tokens) - 1
+        for tok in res.tokens:
+            self._on_token(req, tok)
+            if req.status is not Status.RUNNING:
+                return
+        if len(res.tokens) <= res.drafted:
+            self.runner.restore(req)
+            self.scheduler.rewind(req, res.drafted + 1)
 
     def _finish(self, req: Request, reason: str, stop_reason=None, out: RequestOutput | None = None,
                 error: str | None = None) -> None:

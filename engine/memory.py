@@ -9,6 +9,10 @@ With prefix caching the snapshot pool (rows of the same state arrays, after the 
 `num_state_snapshots` or state_snapshots.default_num_snapshots of the memory the running set's KV
 leaves, and the KV blocks then take all the rest: past what running sequences can use, a block is a
 cached prefix.
+
+With speculative decoding each slot gets a scratch row too (after the snapshots): the state from before
+its verify, restored when a draft is rejected (runner.py); and the step reserve counts a verify's
+logits rows, 1 + k per sequence.
 """
 from __future__ import annotations
 
@@ -25,12 +29,16 @@ class CachePlan:
     slot_bytes: int
     block_bytes: int
     num_snapshots: int = 0    # state rows after the slots (prefix caching), each slot_bytes
+    num_scratch: int = 0      # state rows after the snapshots (speculative decoding: one per sequence)
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)
         caching = (f"prefix caching: {self.num_snapshots} state snapshots x {self.slot_bytes * mib:.1f} MiB = "
                    f"{self.num_snapshots * self.slot_bytes * gib:.2f} GiB" if a.enable_prefix_caching
                    else "prefix caching off")
+        if self.num_scratch:
+            caching += (f"; speculative decoding: {self.num_scratch} scratch state rows = "
+                        f"{self.num_scratch * self.slot_bytes * gib:.2f} GiB")
         return (f"memory plan ({backend_name}): weights {weight_bytes * gib:.2f} GiB; step activations for "
                 f"{a.max_num_batched_tokens} tokens; {self.num_slots} state slots x {self.slot_bytes * mib:.1f} MiB "
                 f"= {self.num_slots * self.slot_bytes * gib:.2f} GiB; {self.num_blocks} KV blocks x {a.block_size} "
@@ -44,26 +52,30 @@ def unit_bytes(model, block_size: int) -> tuple[int, int]:
     return sum(x.nbytes for x in probe.conv + probe.rec), sum(x.nbytes for x in probe.k + probe.v)
 
 
-def plan_cache(model, a: EngineArgs, max_model_len: int) -> CachePlan:
+def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -> CachePlan:
+    """spec_tokens: speculative decoding's drafts per verify (0: off)."""
     num_slots = a.max_num_seqs + 1
+    num_scratch = a.max_num_seqs if spec_tokens else 0
     slot_bytes, block_bytes = unit_bytes(model, a.block_size)
     useful = a.max_num_seqs * -(-max_model_len // a.block_size) + 1  # what running sequences can use at once
     need_budget = a.num_kv_blocks is None or (a.enable_prefix_caching and a.num_state_snapshots is None)
     budget = a.kv_cache_memory
     if budget is None and need_budget:
-        budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs, a.gpu_memory_utilization)
+        # its logits reserve is per sampled row: a verify samples 1 + spec_tokens rows of a sequence
+        budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs * (1 + spec_tokens),
+                                        a.gpu_memory_utilization)
     num_snapshots = 0
     if a.enable_prefix_caching:
         num_snapshots = a.num_state_snapshots
         if num_snapshots is None:
             running_kv = (a.num_kv_blocks if a.num_kv_blocks is not None else useful) * block_bytes
-            spare = budget - num_slots * slot_bytes - running_kv
+            spare = budget - (num_slots + num_scratch) * slot_bytes - running_kv
             num_snapshots = default_num_snapshots(a.max_num_seqs, slot_bytes, spare)
         if num_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {num_snapshots}")
     num_blocks = a.num_kv_blocks
     if num_blocks is None:
-        num_blocks = (budget - (num_slots + num_snapshots) * slot_bytes) // block_bytes
+        num_blocks = (budget - (num_slots + num_snapshots + num_scratch) * slot_bytes) // block_bytes
         if not a.enable_prefix_caching:
             num_blocks = min(num_blocks, useful)
-    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots))
+    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots), num_scratch)

@@ -101,6 +101,7 @@ class Request:
     pending: int = 0                # 1 while its latest token is sampled on the device, not yet seen here
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: proposed for this step's verify
 
     @property
     def num_tokens(self) -> int:

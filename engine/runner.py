@@ -6,6 +6,12 @@ Three calls, each enqueuing device work without waiting for it, so the engine ca
 work with the device (engine.py): forward() launches a step, sample() launches the sampling of its
 logits, collect() waits for the tokens and brings them to the host. A sampled token feeds the next
 forward on the device (Step.feed) before collect() has seen it.
+
+Speculative decoding: a request scheduled with drafts (scheduler.py) is a verify, `[pending token,
+d_1..d_k]` with logits on all 1 + k rows. Before the forward its GDN state is copied to its scratch row
+(one per slot, after the snapshots); verify.py turns the rows into the emitted tokens (`Verified`),
+and when a draft was rejected the engine has `restore()` copy the state back and rewinds the request
+(the accepted tokens are computed again at the start of its next step).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import verify
 from .arrays import HostCopy, array_module, as_f32, take_rows
 from .kv_blocks import DUMMY_BLOCK
 from .prefix_cache import Plan
@@ -29,6 +36,13 @@ class SampledToken:
 
 
 @dataclass
+class Verified:
+    """A verify's outcome: the emitted tokens (accepted drafts, then the bonus or replacement token)."""
+    tokens: list[SampledToken]
+    drafted: int             # drafts verified; len(tokens) - 1 of them were accepted
+
+
+@dataclass
 class ForwardInFlight:
     """A forward in flight."""
     batch: list[tuple[Request, int]]
@@ -36,25 +50,30 @@ class ForwardInFlight:
     logits: object           # [len(sampled), vocab] on the backend's device
     marks: tuple = ()        # (start, end) device marks when timing
     plan: Plan | None = None  # prefix caching: its state copies, published once it is complete
+    drafts: dict = field(default_factory=dict)  # verifying request -> its drafts (1 + k logits rows)
 
 
 @dataclass
 class SamplingInFlight:
-    """A step's sampling in flight: one token per request, on the device until collect()."""
-    requests: list[Request]
-    row: dict                # request -> its row
+    """A step's sampling in flight: one token per request, on the device until collect() (a verify's
+    tokens: in `verify`)."""
+    requests: list[Request]  # those with one row, then the verifying ones
+    row: dict                # request with one row -> its row
     tokens: object           # [R] sampled token ids (device): the next forward's feed
     top: HostCopy            # [R, 2] int32 argmax / all-finite per row, on its way to the host
     draw: DrawInFlight | None  # the sampler's rows (`drawn`), None when every row is plain greedy
     drawn: list[int]
     errors: dict[int, Exception] = field(default_factory=dict)  # row -> what ended that request alone
     marks: tuple = ()
+    verify: verify.VerifyInFlight | None = None
 
 
 class ModelRunner:
-    def __init__(self, model, cache, sampler: Sampler, graphs=None):
-        """graphs: a DecodeGraphs (CUDA) that replays pure-decode steps; None runs every step eagerly."""
-        self.model, self.cache, self.sampler, self.graphs = model, cache, sampler, graphs
+    def __init__(self, model, cache, sampler: Sampler, graphs=None, scratch: int | None = None):
+        """graphs: a DecodeGraphs (CUDA) that replays pure-decode steps; None runs every step eagerly.
+        scratch: speculative decoding, the first of the state rows that keep each slot's state from
+        before its verify (slot s: row scratch + s - 1); None without speculation."""
+        self.model, self.cache, self.sampler, self.graphs, self.scratch = model, cache, sampler, graphs, scratch
         self.ops = model.ops
         self.timing = False  # mark device time around each forward and sampling (the step trace)
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
@@ -89,19 +108,23 @@ class ModelRunner:
                     inside[slot] = (pos - span[slot][0], sid)
                 else:
                     at_end.append((slot, sid))
-        chunks, want, dst, src, saves, t = [], [], [], [], {}, 0
+        chunks, want, dst, src, saves, drafts, t = [], [], [], [], {}, {}, 0
         for i, (req, n) in enumerate(batch):
             if req.slot in inside:
                 saves[i] = inside[req.slot]
             start = req.num_computed
-            ids = req.token_ids(start, start + n)
-            if req.pending:  # its last token is the one prev sampled: filled in on the device
-                dst.append(t + n - 1)
+            k = max(start + n - req.num_tokens, 0)  # a verify: its last k tokens are the drafts
+            ids = req.token_ids(start, start + n - k)
+            if req.pending:  # its last known token is the one prev sampled: filled in on the device
+                dst.append(t + n - k - 1)
                 src.append(prev.row[req])
                 ids.append(0)
+            if k:
+                drafts[req] = req.drafts[:k]
+                ids += drafts[req]
             assert len(ids) == n, (req.request_id, start, n, len(ids))
             chunks.append((ids, start, req.slot, req.block_ids))
-            want.append(start + n == req.num_tokens)
+            want.append(1 + k if start + n >= req.num_tokens else 0)
             t += n
         feed = None
         if dst:
@@ -113,6 +136,9 @@ class ModelRunner:
         start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
+        if drafts:  # a verify may be rolled back: keep each verifying slot's state from before it
+            slots = [req.slot for req in drafts]
+            self.ops.copy_slots(self.cache, slots, [self.scratch + s - 1 for s in slots])
         if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
             logits = self.graphs.run(step)  # every sequence decodes one token
         else:
@@ -120,26 +146,50 @@ class ModelRunner:
         if at_end:
             self.ops.copy_slots(self.cache, [a for a, _ in at_end], [b for _, b in at_end])
         marks = (start, self.ops.mark()) if self.timing else ()
-        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan)
+        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts)
+
+    def restore(self, req: Request) -> None:
+        """req's verify rejected a draft: its slot gets back the state from before the verify (in stream
+        order, after the verify, before any later forward)."""
+        self.ops.copy_slots(self.cache, [self.scratch + req.slot - 1], [req.slot])
 
     def sample(self, launched: ForwardInFlight) -> SamplingInFlight:
         """Launches the sampling of the step's requests that are still running (one finished while the
         step was in flight has nothing to sample). Their parameters read output_ids, so the previous
         sampling must have been collected."""
         start = self.ops.mark() if self.timing else None
+        drafts = launched.drafts
+        nrows = [1 + len(drafts.get(req, ())) for req in launched.sampled]
         live = [i for i, req in enumerate(launched.sampled) if req.status is Status.RUNNING]
         reqs = [launched.sampled[i] for i in live]
         logits = launched.logits
         if len(live) < len(launched.sampled):
-            logits = take_rows(logits, live)
+            first = np.cumsum([0] + nrows)
+            logits = take_rows(logits, [r for i in live for r in range(first[i], first[i] + nrows[i])])
         # sampling runs where the logits are (on the GPU for the CUDA backend); the test hook gets
-        # host logits, and then the sampling runs on the host
+        # host logits (one request per row: a verify's repeats), and then the sampling runs on the host
         if self.logits_hook is not None and reqs:
-            logits = self.logits_hook(reqs, self.ops.to_host(logits))
+            logits = self.logits_hook([req for i in live for req in [launched.sampled[i]] * nrows[i]],
+                                      self.ops.to_host(logits))
         logits = as_f32(logits)
         # one pass over every row where the logits are: non-finite rows fail alone (collect()), plain
         # greedy rows take the argmax, and only the rest go through the sampler
         top = self.ops.argmax_finite(logits)
+        verifying = None
+        if drafts:  # the verifies' rows go to verify.py, the others' on below as in any step
+            one, vreqs, vfirst, r = [], [], [], 0
+            for req in reqs:
+                if req in drafts:
+                    vreqs.append(req)
+                    vfirst.append(r)
+                else:
+                    one.append(r)
+                r += 1 + len(drafts.get(req, ()))
+            V = logits.shape[1]
+            verifying = verify.launch(self.sampler, logits, top, vreqs, [drafts[q] for q in vreqs], vfirst,
+                                      [self._verify_rows(q, drafts[q], V) for q in vreqs])
+            reqs = [req for req in reqs if req not in drafts]
+            logits, top = take_rows(logits, one), take_rows(top, one)
         rows, drawn, errors = [], [], {}
         for j, req in enumerate(reqs):
             try:
@@ -165,17 +215,17 @@ class ModelRunner:
                 tokens = tokens.astype(xp.int64)
                 tokens[di] = draw.tokens
         marks = (start, self.ops.mark()) if self.timing else ()
-        return SamplingInFlight(reqs, {req: j for j, req in enumerate(reqs)}, tokens, HostCopy(top), draw, drawn,
-                                errors, marks)
+        return SamplingInFlight(reqs + (verifying.reqs if verifying else []), {req: j for j, req in enumerate(reqs)},
+                                tokens, HostCopy(top), draw, drawn, errors, marks, verifying)
 
-    def collect(self, s: SamplingInFlight) -> list[tuple[Request, SampledToken | Exception]]:
-        """Waits for the sampling and returns, per request, its token or the exception that ended only
-        that request."""
+    def collect(self, s: SamplingInFlight) -> list[tuple[Request, SampledToken | Verified | Exception]]:
+        """Waits for the sampling and returns, per request, its token (a verify's: its tokens) or the
+        exception that ended only that request."""
         top = s.top.result()
         res = s.draw.fetch() if s.draw is not None else None
         at = {j: k for k, j in enumerate(s.drawn)}
         out = []
-        for j, req in enumerate(s.requests):
+        for req, j in s.row.items():
             if not top[j, 1]:
                 out.append((req, FloatingPointError(f"non-finite logits for request {req.request_id}")))
             elif j in s.errors:
@@ -184,16 +234,28 @@ class ModelRunner:
                 out.append((req, SampledToken(int(res.token_ids[at[j]]), res.logprobs[at[j]])))
             else:
                 out.append((req, SampledToken(int(top[j, 0]), None)))
+        if s.verify is not None:
+            out += [(req, res if isinstance(res, Exception) else Verified([SampledToken(*t) for t in res], k))
+                    for req, res, k in verify.finish(s.verify)]
         return out
 
+    def _verify_rows(self, req: Request, drafts: list[int], vocab: int) -> list[RowParams] | Exception:
+        """A verify's row parameters: row i samples the token after drafts[:i], as if they were output."""
+        try:
+            return [self._row(req, vocab, drafts[:i]) for i in range(len(drafts) + 1)]
+        except Exception as e:  # noqa: BLE001 - ends this request only
+            return e
+
     @staticmethod
-    def _row(req: Request, vocab: int) -> RowParams:
+    def _row(req: Request, vocab: int, drafted: list[int] = ()) -> RowParams:
+        """drafted: tokens taken as output after req's (a verify's rows)."""
         p = req.params
+        output = req.output_ids + list(drafted) if drafted else req.output_ids
         if any(not 0 <= t < vocab for t in p.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {sorted(p.logit_bias)}")
         return RowParams(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
-            banned_ids=sorted(req.stop_ids) if len(req.output_ids) < p.min_tokens else [],
+            frequency_penalty=p.frequency_penalty, prompt_ids=req.prompt_ids, output_ids=output,
+            banned_ids=sorted(req.stop_ids) if len(output) < p.min_tokens else [],
             logit_bias=p.logit_bias, num_logprobs=p.logprobs, generator=req.generator)

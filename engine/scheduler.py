@@ -9,6 +9,12 @@ A request's latest token may still be pending (sampled on the device, not yet se
 engine.py overlaps the host's work with the next forward); it is scheduled like any other, except
 when that token is its last (max_tokens).
 
+Speculative decoding: a decoding request with `drafts` (engine.py proposes them before schedule())
+is scheduled as a verify, its pending token and the drafts, 1 + k tokens (the drafts cut to what the
+budget leaves after one token for every decoding request); verifies go after the plain decodes, so
+single-token sequences still lead the step.
+After a verify that rejected a draft, `rewind` takes the request back to where the verify began.
+
 With a PrefixCache (prefix_cache.py) admission first looks the prompt up: a hit starts the request
 at num_computed = cached_tokens with the hit's blocks shared, and reserves only the blocks it does
 not share (cached blocks no request holds count as free, so taking them counts too). Prompt chunks
@@ -92,27 +98,32 @@ class Scheduler:
         partial prefills, then newly admitted requests) within the token budget (and, beside decodes,
         within prefill_budget_with_decodes)."""
         budget = self.max_num_batched_tokens
-        decodes, prefills = [], []
-        for req in self.running:
-            n = req.num_tokens - req.num_computed
-            if n == 1 and budget > 0 and not req.at_limit:
-                decodes.append((req, self._take(req, 1, budget)))
-                budget -= 1
-        if decodes and self.prefill_budget_with_decodes:
+        decodes, verifies, prefills = [], [], []
+        decoding = [req for req in self.running if req.num_tokens - req.num_computed == 1 and not req.at_limit]
+        spare = budget - len(decoding)  # drafts get what every decode's own token leaves (none starves)
+        for req in decoding:
+            if budget > 0:
+                del req.drafts[max(spare, 0):]
+                spare -= len(req.drafts)
+                take = self._take(req, 1 + len(req.drafts), budget)
+                (verifies if req.drafts else decodes).append((req, take))
+                budget -= take
+        if (decodes or verifies) and self.prefill_budget_with_decodes:
             budget = min(budget, self.prefill_budget_with_decodes)
         for req in self.running:
             n = req.num_tokens - req.num_computed
             if n > 1 and budget > 0:
                 take = self._take(req, n, budget)
                 if not take:
-                    return self._planned(decodes + prefills)  # FCFS: nothing overtakes a prefill that must wait
+                    # FCFS: nothing overtakes a prefill that must wait
+                    return self._planned(decodes + verifies + prefills)
                 prefills.append((req, take))
                 budget -= take
         while self.waiting and self._admit(self.waiting[0], budget):
             req = self.waiting.popleft()
             prefills.append((req, self._take(req, req.num_tokens - req.num_computed, budget)))
             budget -= prefills[-1][1]
-        return self._planned(decodes + prefills)
+        return self._planned(decodes + verifies + prefills)
 
     def _planned(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         if self.prefix is not None:
@@ -164,6 +175,11 @@ class Scheduler:
 
     def advance(self, req: Request, num_new: int) -> None:
         req.num_computed += num_new
+
+    def rewind(self, req: Request, num: int) -> None:
+        """A verify of num tokens rejected a draft: the runner restored the request's state from before it,
+        so its tokens from there on are computed again (its KV past that position is dead until rewritten)."""
+        req.num_computed -= num
 
     def finish(self, req: Request) -> None:
         """Drops the request wherever it is and frees its blocks and slot together (cached blocks stay

@@ -30,7 +30,8 @@ class Step:
     slots: np.ndarray         # [B] int32, recurrent/conv state slot of each sequence
     block_tables: np.ndarray  # [B, max_blocks] int32, KV pages of each sequence
     seq_lens: np.ndarray      # [B] int32, context length after this step (base_pos + new tokens)
-    logits_rows: np.ndarray   # [n] int32, rows whose logits are wanted (each sequence's last token)
+    logits_rows: np.ndarray   # [n] int32, rows whose logits are wanted (each sampled sequence's last
+                              # token; a verify's last 1 + k: speculative decoding, verify.py)
     feed: tuple | None = None  # (rows [k] ascending, token ids [k] on the backend's device) to fill in tokens
     save_at: np.ndarray | None = None    # [B] int32: also save the state after this many new tokens (0: none)
     save_rows: np.ndarray | None = None  # [B] int32: the cache row (a snapshot) that state goes to
@@ -40,9 +41,10 @@ class Step:
         return len(self.slots)
 
     @classmethod
-    def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[bool] | None = None,
+    def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[int] | None = None,
               feed: tuple | None = None, saves: dict[int, tuple[int, int]] | None = None) -> "Step":
-        """chunks: per sequence (new token ids, base_pos, slot, block ids). saves: sequence index ->
+        """chunks: per sequence (new token ids, base_pos, slot, block ids). sample: per sequence how many
+        of its last rows need logits (default 1; a bool counts as 0 or 1). saves: sequence index ->
         (new tokens after which its state is saved, the snapshot row)."""
         lens = [len(c[0]) for c in chunks]
         cu = np.zeros(len(chunks) + 1, np.int32)
@@ -63,6 +65,7 @@ class Step:
             positions=np.concatenate([np.arange(c[1], c[1] + len(c[0])) for c in chunks]).astype(np.int32),
             cu_seqlens=cu, slots=np.array([c[2] for c in chunks], np.int32), block_tables=tables,
             seq_lens=np.array([c[1] + len(c[0]) for c in chunks], np.int32),
-            logits_rows=np.array([cu[i + 1] - 1 for i in range(len(chunks)) if sample[i]], np.int32),
+            logits_rows=np.array([r for i in range(len(chunks)) for r in range(cu[i + 1] - sample[i], cu[i + 1])],
+                                 np.int32),
             feed=feed, save_at=save_at, save_rows=save_rows,
         )

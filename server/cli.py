@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from engine import EngineArgs
+from engine.config import SpeculativeConfig
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -23,6 +25,15 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False):
             return action.help
         return super()._get_help_string(action)
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: vLLM's JSON, checked now (a mistake is one line, before the model loads)."""
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def _add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -53,13 +64,16 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
                     help="GDN state snapshots kept for prefix caching (default: 4 per sequence, at most half the "
                          "memory the running sequences' KV leaves)")
+    ap.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
+                         '"prompt_lookup_max": N, "prompt_lookup_min": M} (default: off)')
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "prefill_budget_with_decodes",
             "max_waiting_requests",
             "max_logprobs", "gpu_memory_utilization", "enforce_eager", "batch_invariant", "trace_steps",
-            "enable_prefix_caching", "num_state_snapshots")
+            "enable_prefix_caching", "num_state_snapshots", "speculative_config")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 

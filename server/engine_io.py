@@ -87,4 +87,7 @@ def counters(engine) -> dict:
     s = engine.stats()
     return {"prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
             "preemptions": s.num_preemptions, "finished": dict(s.finished),
-            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
+            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+            "spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens}

@@ -63,7 +63,13 @@ class Metrics:
                 ("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
                  counters["prefix_cache_queries"]),
                 ("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
-                 counters["prefix_cache_hits"])):
+                 counters["prefix_cache_hits"]),
+                ("vllm:spec_decode_num_drafts_total", "Verifies of drafted tokens (speculative decoding).",
+                 counters["spec_decode_num_drafts"]),
+                ("vllm:spec_decode_num_draft_tokens_total", "Drafted tokens verified.",
+                 counters["spec_decode_num_draft_tokens"]),
+                ("vllm:spec_decode_num_accepted_tokens_total", "Drafted tokens accepted.",
+                 counters["spec_decode_num_accepted_tokens"])):
             out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name}{{{lab}}} {value}"]
         name, finished = "vllm:request_success_total", counters["finished"]
         out += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]

@@ -1,0 +1,474 @@
+"""Speculative decoding (`speculative_config`): the verify path, acceptance and the transactional
+rollback of the hybrid state, driven by test-only oracle drafters that propose from a recorded plain
+run (right for `right` tokens, then wrong; None: all right). CPU: the tiny and tiny3 models on NumPy;
+marked gpu: the 4B checkpoint (the `target` fixture).
+
+"Equal to a plain run" for states: a verify computes its tokens as one chunk (the chunked GDN form,
+multi-row matmuls) where plain decoding takes one token at a time, so states agree to float rounding
+(CPU_TOL relative; GPU: bf16 kernels, GPU_TOL); a rolled-back state is the one from before the verify
+bit for bit. Greedy tokens are identical on the CPU; on the GPU equal up to a flip within bf16 noise.
+"""
+import numpy as np
+import pytest
+from scipy import stats
+
+from engine import SamplingParams
+from engine.arrays import array_module, as_f32, to_numpy
+from engine.config import SpeculativeConfig
+from engine.drafter import NgramDrafter
+from engine.request import Request
+from engine.sampler import RowParams, Sampler
+from test_engine import Collect, drive, make, prompt
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+CPU_TOL, GPU_TOL = 2e-5, 3e-2
+GPU_NOISE = 0.12  # tests/test_engine.py: mean |dlogit| of bf16 batch-shape noise on the random 4B
+
+
+class Oracle:
+    """Proposes the recorded plain continuation of each prompt: its first `right` tokens as they are, the
+    rest off by one (None: all right). Only prompts in `plain` get drafts; the others decode plainly."""
+
+    def __init__(self, plain: dict, right: int | None = None):
+        self.plain, self.right = plain, right
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        want = self.plain.get(tuple(req.prompt_ids), [])[len(req.output_ids):][:k]
+        return [t if self.right is None or i < self.right else (t + 1) % 1000 for i, t in enumerate(want)]
+
+
+def outside_reservation(eng) -> list:
+    """Records each (request, end) a forward computes past the request's lifetime reservation (prompt +
+    max_tokens, and its KV blocks); it stays empty if a verify's drafts are capped as they must be."""
+    real, bad = eng.runner.forward, []
+
+    def forward(batch, prev, plan=None):
+        bad.extend((req.request_id, req.num_computed + n) for req, n in batch if req.num_computed + n >
+                   min(req.lifetime_tokens, len(req.block_ids) * eng.kv.block_size))
+        return real(batch, prev, plan)
+    eng.runner.forward = forward
+    return bad
+
+
+def run(target, prompts, sp, spec=None, drafter=None, **kw):
+    """Tokens per prompt (and the engine, stepped to idle) of one loop-less engine."""
+    kw = dict(dict(max_num_seqs=8, max_num_batched_tokens=64), **kw)
+    eng, col = make(target, speculative_config=spec, **kw)
+    bad = outside_reservation(eng)
+    if drafter is not None:
+        eng.drafter = drafter
+    rids = [eng.submit(p, s, col) for p, s in zip(prompts, sp if isinstance(sp, list) else [sp] * len(prompts))]
+    drive(eng, col, rids, max_steps=2000)
+    eng.step()  # collects the step launched after the last token
+    assert bad == []
+    return [col.tokens(r) for r in rids], eng, col, rids
+
+
+def assert_idle(eng, init_memory=None):
+    st = eng.stats()
+    assert (st.running, st.waiting, st.kv_blocks_used, st.state_slots_free) == (0, 0, 0, st.state_slots_total)
+    if init_memory is not None:
+        assert st.device_memory_used == init_memory
+
+
+PROMPTS = [prompt(1, 20), prompt(2, 37), prompt(3, 5), prompt(4, 16)]  # across block boundaries (16)
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+def test_config_parse_and_errors(tiny_dir):
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 3, 3)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    assert SpeculativeConfig.parse(None) is None
+    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+                     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .*got 0"),
+                     ({"method": "ngram"}, "num_speculative_tokens must be"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, r"unknown keys \['k'\]"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+                       "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+                     ("{nope", "not valid JSON")]:
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.parse(bad)
+    with pytest.raises(ValueError, match="prefix caching"):
+        make(tiny_dir, speculative_config=SPEC, enable_prefix_caching=True)
+
+
+def test_cli_flag(tiny_dir, capsys):
+    from server.cli import build_parser, engine_kwargs
+    a = build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "ngram", '
+                                   '"num_speculative_tokens": 2}'])
+    assert engine_kwargs(a)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "mtp"}'])
+    assert e.value.code == 2 and "method 'mtp' is not supported" in capsys.readouterr().err
+
+
+def _fed(eng):
+    """Records, per forward, whether a sampling still in flight fed it (host and device overlapped)."""
+    fed, real = [], eng.runner.forward
+    eng.runner.forward = lambda batch, prev, plan=None: fed.append(prev is not None) or real(batch, prev, plan)
+    return fed
+
+
+def test_off_changes_nothing(tiny_dir):
+    """Speculation off: no scratch rows, no drafter, and decodes fed on the device (overlapped). On: one
+    scratch row per sequence, and each step collects before it launches."""
+    eng, col = make(tiny_dir)
+    assert eng.drafter is None and eng.runner.scratch is None
+    assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots
+    fed = _fed(eng)
+    drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=6, **GREEDY), col)])
+    assert fed == [False] + [True] * 5
+    eng, col = make(tiny_dir, speculative_config=SPEC, max_num_seqs=4)
+    assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots + 4
+    fed = _fed(eng)
+    drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=6, **GREEDY), col)])
+    assert fed == [False] * 6
+
+
+def test_ngram_drafter():
+    d = NgramDrafter(1, 3)
+    req = lambda ids: Request("r", ids[:2], SamplingParams(), 10, frozenset(), None,  # noqa: E731
+                              output_ids=ids[2:])
+    assert d.propose(req([1, 2, 3, 4, 5, 1, 2, 3]), 3) == [4, 5, 1]   # the longest suffix (3) first
+    assert d.propose(req([1, 2, 9, 1, 2, 7, 2]), 5) == [7, 2]         # the most recent occurrence
+    assert d.propose(req([7, 7, 7]), 4) == [7]                         # the continuation may overlap the suffix
+    assert d.propose(req([1, 2, 3]), 4) == [] and d.propose(req([5]), 2) == []
+    assert NgramDrafter(2, 3).propose(req([1, 2, 3, 1]), 4) == []      # a 1-token match is too short
+
+
+# ---- greedy identity -------------------------------------------------------------------------------
+@pytest.mark.parametrize("right", [None, 0, 2], ids=["accept-all", "reject-first", "prefix-2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_greedy_equals_plain(request, preset, right):
+    """c1 and a batch where half the requests speculate: tokens equal plain greedy; counters count."""
+    model = request.getfixturevalue(f"{preset}_dir")
+    sp = SamplingParams(max_tokens=24, **GREEDY)
+    want, eng, _, _ = run(model, PROMPTS, sp)
+    init = eng.stats().device_memory_used
+    plain = {tuple(p): t for p, t in zip(PROMPTS, want)}
+    got, eng, _, _ = run(model, PROMPTS[:1], sp, SPEC, Oracle(plain, right))  # c1
+    assert got == want[:1]
+    half = {k: v for i, (k, v) in enumerate(plain.items()) if i % 2 == 0}
+    got, eng, _, _ = run(model, PROMPTS, sp, SPEC, Oracle(half, right), max_num_batched_tokens=24)
+    assert got == want
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_draft_tokens >= st.spec_decode_num_drafts
+    accepted = {None: st.spec_decode_num_draft_tokens, 0: 0}.get(right)
+    if accepted is not None:
+        assert st.spec_decode_num_accepted_tokens == accepted
+    assert_idle(eng)
+    assert st.device_memory_used >= init  # the scratch rows
+
+
+def _record(store):
+    """A logits hook keeping every row's raw logits by (prompt, output index); a verify's rows repeat
+    its request, row i scoring output index len(output) + i."""
+    def hook(reqs, logits):
+        seen = {}
+        for i, r in enumerate(reqs):
+            seen[r] = seen.get(r, -1) + 1
+            store[(tuple(r.prompt_ids), len(r.output_ids) + seen[r])] = np.array(logits[i])
+        return logits
+    return hook
+
+
+def test_greedy_batch_of_16_equals_plain(target):
+    """16 requests, every other one speculating (accepted-prefix 2), prompts of 3..93 tokens across
+    block boundaries: greedy tokens equal plain ones. GPU: a verify's rows take the prefill kernels where
+    plain decoding takes the decode kernels, so a greedy token may flip within bf16 noise (as
+    tests/test_engine.py): equal up to the flip, and the logits there within GPU_NOISE (mean |dlogit|)."""
+    prompts = [prompt(20 + i, 3 + 6 * i) for i in range(16)]
+    sp = SamplingParams(max_tokens=16, **GREEDY)
+    la, lb = {}, {}
+    eng, col = make(target, max_num_seqs=16, max_num_batched_tokens=128)
+    eng.runner.logits_hook = _record(la)
+    rids = [eng.submit(p, sp, col) for p in prompts]
+    drive(eng, col, rids)
+    want = [col.tokens(r) for r in rids]
+    eng.shutdown()
+    plain = {tuple(p): t for i, (p, t) in enumerate(zip(prompts, want)) if i % 2 == 0}
+    eng, col = make(target, max_num_seqs=16, max_num_batched_tokens=128, speculative_config=SPEC)
+    eng.drafter = Oracle(plain, 2)
+    eng.runner.logits_hook = _record(lb)
+    rids = [eng.submit(p, sp, col) for p in prompts]
+    drive(eng, col, rids)
+    eng.step()
+    assert eng.stats().spec_decode_num_accepted_tokens > 0
+    assert_idle(eng)
+    for p, a, r in zip(prompts, want, rids):
+        b = col.tokens(r)
+        if a != b:
+            assert target[1] == "cuda", (p, a, b)
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            assert np.abs(la[(tuple(p), k)] - lb[(tuple(p), k)]).mean() <= GPU_NOISE
+
+
+def test_ngram_engine_greedy_equals_plain(tiny_dir):
+    """The real n-gram drafter on repetitive prompts whose last token is computed alone (a 1-token last
+    chunk: drafts from the prompt's own pattern): tokens equal plain greedy."""
+    prompts = [prompt(i, 8) * 4 + prompt(i, 1) for i in range(3)]  # 33 tokens: chunks of 16, 16, 1
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    want, _, _, _ = run(tiny_dir, prompts, sp, max_num_batched_tokens=16, max_num_seqs=1)
+    spec = dict(SPEC, prompt_lookup_min=1, prompt_lookup_max=4)
+    got, eng, _, _ = run(tiny_dir, prompts, sp, spec, max_num_batched_tokens=16, max_num_seqs=1)
+    assert got == want
+    assert eng.stats().spec_decode_num_drafts >= 3
+    assert_idle(eng)
+
+
+def test_penalties_and_logprobs_equal_plain(tiny_dir):
+    """Greedy with a repetition penalty, min_tokens and logprobs: every verify row is processed with the
+    drafts before it counted as output; tokens equal and logprobs within float rounding."""
+    sp = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                        min_tokens=6, logprobs=3, ignore_eos=True)
+    want, _, col0, r0 = run(tiny_dir, PROMPTS[:2], sp)
+    plain = {tuple(p): t for p, t in zip(PROMPTS, want)}
+    got, eng, col1, r1 = run(tiny_dir, PROMPTS[:2], sp, SPEC, Oracle(plain, 2))
+    assert got == want and eng.stats().spec_decode_num_accepted_tokens > 0
+    for a, b in zip(r0, r1):
+        la = [lp for e in col0.events[a] for lp in e.logprobs or []]
+        lb = [lp for e in col1.events[b] for lp in e.logprobs or []]
+        assert len(la) == len(lb) == 16
+        for x, y in zip(la, lb):
+            assert x.token_id == y.token_id and list(x.top_logprobs) == list(y.top_logprobs)
+            assert abs(x.logprob - y.logprob) < 1e-3
+
+
+# ---- the hybrid state after every step -------------------------------------------------------------
+def _state(eng, req):
+    """req's GDN conv and recurrent rows and the K/V of its computed positions, f32 on the host."""
+    c = eng.runner.cache
+    xp = array_module(c.rec[0])
+    pos = np.arange(req.num_computed)
+    blocks = xp.asarray(np.asarray(req.block_ids)[pos // c.block_size])
+    off = xp.asarray(pos % c.block_size)
+    return [np.array(to_numpy(as_f32(x))) for x in [a[req.slot] for a in c.conv + c.rec] +
+            [a[blocks, off] for a in c.k + c.v]]
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("right", [None, 0, 1, 2], ids=["accept-all", "reject-first", "prefix-1", "prefix-2"])
+def test_state_after_each_step_equals_plain(target, right):
+    """After each step (its tokens collected, a rejection rolled back), the request's KV up to its
+    committed position and every GDN conv and recurrent state equal those of a plain run at the same
+    position; a rolled-back state equals the state before the verify bit for bit."""
+    p, sp = prompt(7, 37), SamplingParams(max_tokens=20, **GREEDY)
+    tol = CPU_TOL if target[1] == "cpu" else GPU_TOL
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64)
+    rid = eng.submit(p, sp, col)
+    ref = {}
+    while not (rid in col.events and col.last(rid).finished):
+        eng.step()
+        req = eng._requests.get(rid)
+        if req is not None:
+            ref[req.num_computed] = _state(eng, req)
+    want = col.tokens(rid)
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64, speculative_config=SPEC)
+    eng.drafter = Oracle({tuple(p): want}, right)
+    rid = eng.submit(p, sp, col)
+    prev, seen, rolled = None, set(), 0
+    while True:
+        eng.step()
+        eng._flush()  # collect now (the next step would first): its rollback is then done
+        req = eng._requests.get(rid)
+        if req is None:
+            break
+        if req.output_ids != want[:len(req.output_ids)]:  # a greedy flip (GPU: bf16 noise): not comparable on
+            assert target[1] == "cuda"
+            break
+        now = _state(eng, req)
+        if prev is not None and prev[0] == req.num_computed:  # a verify rejected: back to where it began
+            rolled += 1
+            assert all(np.array_equal(a, b) for a, b in zip(now, prev[1]))
+        errs = [_rel(a, b) for a, b in zip(now, ref[req.num_computed])]
+        assert max(errs) < tol, (req.num_computed, errs)
+        seen.add(req.num_computed)
+        prev = (req.num_computed, now)
+    assert col.tokens(rid) == want or target[1] == "cuda"
+    assert rolled > 0 if right is not None else rolled == 0
+    assert len(seen) > 3
+    drive(eng, col, [rid])
+    eng.step()
+    assert_idle(eng)
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+def test_seeded_sampling_reproducible(tiny_dir):
+    """Seeded sampled requests (with logprobs) give the same tokens and logprobs in another batch order and
+    budget, one logprob entry per emitted token, of that token."""
+    sp = [SamplingParams(max_tokens=16, temperature=0.3, top_k=20, seed=i, logprobs=1, ignore_eos=True)
+          for i in range(4)]
+    plain = {tuple(p): t for p, t in zip(PROMPTS, run(tiny_dir, PROMPTS, sp)[0])}  # drafts: plain samples
+    a, _, ca, ra = run(tiny_dir, PROMPTS, sp, SPEC, Oracle(plain))
+    b, eng, cb, rb = run(tiny_dir, PROMPTS[::-1], sp[::-1], SPEC, Oracle(plain), max_num_batched_tokens=24)
+    assert a == b[::-1]
+    lps = lambda col, r: [(x.token_id, x.logprob) for e in col.events[r] for x in e.logprobs or []]  # noqa: E731
+    for r, q, toks in zip(ra, rb[::-1], a):  # logprobs to NumPy's M-dependent rounding (test_prefix_engine.py)
+        assert [t for t, _ in lps(ca, r)] == [t for t, _ in lps(cb, q)] == toks
+        assert np.allclose([x for _, x in lps(ca, r)], [x for _, x in lps(cb, q)], atol=1e-4)
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_accepted_tokens > 0
+    assert_idle(eng)
+
+
+def _probs(eng, prompts, sp):
+    """p(next token | prompt) of sampling with sp, from the raw logits of a plain engine."""
+    rows = {}
+
+    def hook(reqs, x):
+        for i, r in enumerate(reqs):
+            rows.setdefault(tuple(r.prompt_ids), np.array(x[i]))
+        return x
+    eng.runner.logits_hook = hook
+    c = Collect()
+    drive(eng, c, [eng.submit(q, SamplingParams(max_tokens=1, **GREEDY), c) for q in prompts])
+    row = RowParams(temperature=sp.temperature, top_k=sp.top_k)
+    out = []
+    for q in prompts:
+        x = Sampler().process(rows[tuple(q)][None].astype(np.float32), [row])[0]
+        e = np.exp(x - x.max())
+        out.append(e / e.sum())
+    return out
+
+
+def test_rejection_sampling_matches_plain_distribution(tiny_dir):
+    """Top-5 sampling, every second token verified with one draft, the most likely token after the
+    first: accepted or replaced, the second token is distributed as plain sampling's p(. | first)
+    (chi-square summed over the first token's values; drawing replacements without zeroing the draft
+    fails it at p ~ 1e-5), and both branches occur."""
+    p0, n = prompt(11, 6), 250
+    sp = SamplingParams(max_tokens=3, temperature=0.5, top_k=5, ignore_eos=True)
+    eng, _ = make(tiny_dir)
+    (p1,) = _probs(eng, [p0], sp)
+    firsts = [int(t) for t in np.flatnonzero(p1)]
+    p2 = dict(zip(firsts, _probs(eng, [p0 + [t] for t in firsts], sp)))
+    draft = {t: [int(np.argmax(p2[t]))] for t in firsts}
+
+    class MostLikely:
+        def propose(self, req, k):
+            return draft[req.output_ids[0]] if len(req.output_ids) == 1 else []
+    got, eng, _, _ = run(tiny_dir, [p0] * n, [SamplingParams(**dict(vars(sp), seed=i)) for i in range(n)],
+                         {"method": "ngram", "num_speculative_tokens": 1}, MostLikely(),
+                         max_num_seqs=64, max_num_batched_tokens=512, max_waiting_requests=n)
+    chi, df = 0.0, 0
+    for t in firsts:
+        second = np.array([g[1] for g in got if g[0] == t])
+        support = np.flatnonzero(p2[t])
+        counts = np.array([(second == s).sum() for s in support])
+        assert counts.sum() == len(second)  # never outside the top 5
+        want = p2[t][support].astype(np.float64)
+        chi += stats.chisquare(counts, want / want.sum() * len(second)).statistic
+        df += len(support) - 1
+    assert stats.chi2.sf(chi, df) > 1e-3
+    st = eng.stats()
+    assert st.spec_decode_num_draft_tokens == n and 0 < st.spec_decode_num_accepted_tokens < n
+    assert_idle(eng)
+
+
+# ---- limits, stops, aborts ----------------------------------------------------------------------------
+def test_max_tokens_stop_and_eos_inside_an_accepted_run(tiny_dir):
+    """With every draft accepted (4 per verify), max_tokens, a stop token id and a stop string that fall
+    inside a verify's run end the request where plain decoding ends it, with the same text."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    base = SamplingParams(max_tokens=30, **GREEDY)
+    want, _, col, rids = run(tiny_dir, PROMPTS[:1], base)
+    full, text = want[0], col.text(rids[0])
+    oracle = Oracle({tuple(PROMPTS[0]): full})
+    stop_str = next(text[i:i + 2] for i in range(5, len(text)) if text[i:i + 2].strip() and
+                    text.find(text[i:i + 2]) == i)
+    cases = [SamplingParams(max_tokens=7, **GREEDY), SamplingParams(max_tokens=30, stop_token_ids=[full[8]], **GREEDY),
+             SamplingParams(max_tokens=30, stop=[stop_str], **GREEDY)]
+    for sp in cases:
+        a, _, ca, ra = run(tiny_dir, PROMPTS[:1], sp)
+        b, eng, cb, rb = run(tiny_dir, PROMPTS[:1], sp, spec, oracle)
+        assert a == b and ca.text(ra[0]) == cb.text(rb[0])
+        assert (ca.last(ra[0]).finish_reason, ca.last(ra[0]).stop_reason) == \
+               (cb.last(rb[0]).finish_reason, cb.last(rb[0]).stop_reason)
+        assert eng.stats().spec_decode_num_accepted_tokens > 0
+        assert_idle(eng)
+    assert len(a[0]) < 30
+
+
+def test_abort_mid_verify_leaks_nothing(target):
+    p, sp = prompt(8, 20), SamplingParams(max_tokens=40, **GREEDY)
+    want, _, _, _ = run(target, [p], sp)
+    eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64, speculative_config=SPEC)
+    drive(eng, col, [eng.submit(p, SamplingParams(max_tokens=8, **GREEDY), col)])  # what is made lazily, made
+    eng.step()
+    init = eng.stats().device_memory_used
+    eng.drafter = Oracle({tuple(p): want[0]}, 1)
+    rid = eng.submit(p, sp, col)
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None and eng._inflight.verify is not None  # a verify's sampling in flight
+    eng.abort(rid)
+    eng.step()
+    assert col.last(rid).finish_reason == "abort"
+    eng.step()
+    assert_idle(eng, init)
+    # the slot serves the next request from zero state: its tokens are a fresh run's
+    rid = eng.submit(p, sp, col)
+    drive(eng, col, [rid])
+    assert col.tokens(rid) == want[0] or target[1] == "cuda"
+
+
+def test_non_finite_verify_row_ends_that_request_alone(tiny_dir):
+    """A NaN in one speculating request's verify rows (greedy, then sampled with logprobs) ends it with an
+    error; the others finish as they do without the fault; nothing leaks."""
+    sp = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=12, **GREEDY),
+          SamplingParams(max_tokens=12, temperature=0.7, seed=1, logprobs=2, ignore_eos=True)]
+    plain = {tuple(p): t for p, t in zip(PROMPTS, run(tiny_dir, PROMPTS[:3], sp)[0])}
+    want, _, _, _ = run(tiny_dir, PROMPTS[:3], sp, SPEC, Oracle(plain))
+    for bad in (0, 2):
+        eng, col = make(tiny_dir, max_num_seqs=4, max_num_batched_tokens=64, speculative_config=SPEC)
+        eng.drafter = Oracle(plain)
+        rids = [eng.submit(p, s, col) for p, s in zip(PROMPTS[:3], sp)]
+
+        def nan_in_verify(reqs, logits):
+            for j, r in enumerate(reqs):
+                if r.request_id == rids[bad] and r.drafts and len(r.output_ids) > 3:
+                    logits[j, 5] = np.nan
+            return logits
+        eng.runner.logits_hook = nan_in_verify
+        drive(eng, col, rids)
+        eng.step()
+        assert col.last(rids[bad]).finish_reason == "error" and "non-finite" in col.last(rids[bad]).error
+        assert [col.tokens(r) for i, r in enumerate(rids) if i != bad] == [w for i, w in enumerate(want) if i != bad]
+        assert eng.stats().spec_decode_num_accepted_tokens > 0
+        assert_idle(eng)
+
+
+def test_server_streams_verified_tokens_and_counts_them(tiny_dir):
+    """Through the HTTP server: a speculating request's completion, whole and streamed (several tokens
+    per step, one event each), is the plain greedy text, and /metrics counts the drafts."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from server.app import ServerContext, build_app
+    want, _, col, rids = run(tiny_dir, PROMPTS[:1], SamplingParams(max_tokens=10, **GREEDY))
+    eng, _ = make(tiny_dir, max_num_seqs=2, speculative_config=SPEC)
+    eng.drafter = Oracle({tuple(PROMPTS[0]): want[0]})
+    eng._thread.start()
+    req = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    try:
+        with TestClient(build_app(ServerContext(eng, "tiny", "tiny"))) as c:
+            r = c.post("/v1/completions", json=req)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == col.text(rids[0])
+            assert r.json()["usage"]["completion_tokens"] == 10
+            with c.stream("POST", "/v1/completions", json=dict(req, stream=True)) as s:
+                chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == col.text(rids[0])
+            text = c.get("/metrics").text
+    finally:
+        eng.shutdown()
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    assert counts["vllm:spec_decode_num_drafts_total"] > 0
+    assert counts["vllm:spec_decode_num_draft_tokens_total"] >= counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
