@@ -26,8 +26,9 @@ Saves inside a chunk: the chunked GDN pass has the state at every 64-token bound
 boundary p that falls inside a prefill chunk is saved by the kernels themselves (Step.save_at: the conv
 and recurrent state after p - start tokens also go to the snapshot's row) and the chunk is not cut: a
 cold prompt takes the same steps with the cache on as off. The scheduler cuts a chunk at p only where
-the kernels cannot save it: p - start not a multiple of 64 (a chunk the budget split off mid-chunk),
-or a second boundary in one chunk (one in-chunk save per sequence and step). A save at a chunk's end
+the kernels cannot save it: p - start not a multiple of 64 (a chunk the budget split off mid-chunk; the
+scheduler ends budget cuts of 512 tokens or more on the grid, so only smaller ones), or a second
+boundary in one chunk (one in-chunk save per sequence and step). A save at a chunk's end
 is a slot -> snapshot copy after the step.
 min_tail = 2 in batch-invariant mode: a hit then never leaves a one-token last chunk (which would take
 the decode kernels), so cold with the cache on, cold with it off and a hit are bit-equal.
