@@ -80,12 +80,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="keep the step trace (tools/trace_report.py)")
     ap.add_argument("--batch-invariant", action="store_true", help="Engine(batch_invariant=True)")
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
-                    help="Engine(speculative_config=JSON): speculative decoding (random weights: drafts ~never accepted)")
+                    help="Engine(speculative_config=JSON): speculative decoding "
+                         "(random weights: drafts ~never accepted)")
     a = ap.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
     trace = Path(a.trace_steps or Path(tempfile.mkdtemp()) / "steps.jsonl")
     trace.unlink(missing_ok=True)
-    budget = a.max_num_batched_tokens or (max(levels) * (a.input_len + 1) if a.one_wave else EngineArgs.max_num_batched_tokens)
+    budget = a.max_num_batched_tokens or (max(levels) * (a.input_len + 1) if a.one_wave
+                                          else EngineArgs.max_num_batched_tokens)
     eng = Engine(a.model_dir, device=a.device, max_num_seqs=max(levels), trace_steps=str(trace),
                  batch_invariant=a.batch_invariant, speculative_config=a.speculative_config,
                  max_model_len=a.max_model_len or a.input_len + a.output_len + 16,

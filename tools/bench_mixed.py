@@ -214,8 +214,9 @@ def markdown(cells: list[dict]) -> str:
         im = c["injected_metrics"]
         lines.append(f"| {c['label']} | {c['qps']:g} | {c['inject_len']} | {yn(c['valid'])} | {yn(c['saturated'])} | "
                      f"{f(c['baseline_itl_p50_ms'])} | {f(c['itl_p50_ms'])} | "
-                     f"{f(c['itl_p99_ms'])} ({f(c.get('p99_bound_ms'))}) | {f(c['itl_max_ms'])} ({f(c.get('max_bound_ms'))}) | "
-                     f"{c.get('gate', '-')} | {f(im['mean_ttft_ms'])} | {f(im['p99_ttft_ms'])} | {c['completed']}/{c['failed']} |")
+                     f"{f(c['itl_p99_ms'])} ({f(c.get('p99_bound_ms'))}) | "
+                     f"{f(c['itl_max_ms'])} ({f(c.get('max_bound_ms'))}) | {c.get('gate', '-')} | "
+                     f"{f(im['mean_ttft_ms'])} | {f(im['p99_ttft_ms'])} | {c['completed']}/{c['failed']} |")
     b = cells[0] if cells else None
     if b:
         lines += ["", f"Background: {b['background']} x {b['bg_input_len']}/{b['bg_output_len']} tokens (greedy, "
