@@ -1,4 +1,4 @@
-"""Random-weight checkpoints in the exact published Hugging Face layout (spec §1-§2).
+"""Random-weight checkpoints in the exact published Hugging Face layout (spec §1-§2), MTP head included.
 
 Presets: `tiny` and `tiny3` (every ratio of the real models at toy size; tiny3 has 3 GDN value
 heads per key head as 27B does, and ties lm_head as 4B does), and the real `4b`, `9b`, `27b` shapes.
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .weights import expected_shapes
+from .weights import expected_shapes, mtp_shapes
 
 _COMMON = dict(vocab_size=248320, conv_kernel=4, max_position_embeddings=262144)
 PRESETS = {
@@ -47,7 +47,7 @@ def config_json(preset: str) -> dict:
         "attention_bias": False, "attn_output_gate": True, "full_attention_interval": 4,
         "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L)],
         "partial_rotary_factor": 0.25, "mamba_ssm_dtype": "float32", "dtype": "bfloat16",
-        "eos_token_id": 248044, "mtp_num_hidden_layers": 0,
+        "eos_token_id": 248044, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                             "mrope_section": _mrope_section(rotary // 2), "mrope_interleaved": True},
     }
@@ -65,7 +65,7 @@ def _mrope_section(half: int) -> list[int]:
 def _std(name: str, shape, cfg: ModelConfig) -> float:
     if name.endswith("linear_attn.norm.weight"):
         return 0.1
-    if name.endswith("norm.weight"):  # zero-centred RMSNorm weights (used as 1 + w)
+    if len(shape) == 1:  # zero-centred RMSNorm weights (used as 1 + w), MTP's pre_fc_norm_* too
         return 0.1
     if name.endswith("conv1d.weight"):
         return 0.5
@@ -130,7 +130,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_b
     out.mkdir(parents=True, exist_ok=True)
     raw = config_json(preset)
     cfg = ModelConfig.from_dict(raw)
-    shapes = expected_shapes(cfg)
+    shapes = expected_shapes(cfg) | mtp_shapes(cfg)  # the published layout carries the MTP head
     f32 = lambda k: k.endswith(("A_log", "linear_attn.norm.weight"))  # noqa: E731
     nbytes = {k: int(np.prod(s)) * (4 if f32(k) else 2) for k, s in shapes.items()}
     shards, cur, size = [], [], 0
@@ -142,7 +142,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_b
         size += nbytes[k]
     shards.append(cur)
     rng = np.random.default_rng(seed)
-    full = lambda k: "lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k  # noqa: E731
+    full = lambda k: k if k == "lm_head.weight" or k.startswith("mtp.") else "model.language_model." + k  # noqa: E731
     weight_map = {}
     for i, names in enumerate(shards):
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

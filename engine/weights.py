@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrays import bf16_to_f32
-from .config import LINEAR, ModelConfig
+from .config import FULL, LINEAR, ModelConfig
 
 # safetensors dtype -> NumPy dtype of the raw buffer (BF16 kept as bits)
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -45,30 +45,42 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every text tensor the model needs, with its [out, in] shape (spec §2)."""
-    H, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, V = cfg.hidden_size, cfg.vocab_size
     shapes = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, H)
     for i, kind in enumerate(cfg.layer_types):
-        p = f"layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                   p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-                   p + "mlp.down_proj.weight": (H, F)}
-        if kind == LINEAR:
-            nv = cfg.lin_num_v_heads
-            shapes |= {p + "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H),
-                       p + "linear_attn.in_proj_z.weight": (cfg.value_dim, H),
-                       p + "linear_attn.in_proj_b.weight": (nv, H), p + "linear_attn.in_proj_a.weight": (nv, H),
-                       p + "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
-                       p + "linear_attn.dt_bias": (nv,), p + "linear_attn.A_log": (nv,),
-                       p + "linear_attn.norm.weight": (cfg.lin_v_dim,),
-                       p + "linear_attn.out_proj.weight": (H, cfg.value_dim)}
-        else:
-            nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            shapes |= {p + "self_attn.q_proj.weight": (2 * nh * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
-                       p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
-                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        shapes |= _layer_shapes(cfg, f"layers.{i}.", kind)
     return shapes
+
+
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction head every published checkpoint carries, top-level `mtp.*`
+    (spec-decode-spec §1.2): fc fusing [embedding; hidden] (2H -> H), three (1+w) norms and one
+    full-attention decoder layer; it shares the target's embed_tokens and lm_head. Not loaded yet."""
+    H = cfg.hidden_size
+    return {"mtp.fc.weight": (H, 2 * H), "mtp.pre_fc_norm_embedding.weight": (H,),
+            "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)} | _layer_shapes(cfg, "mtp.layers.0.", FULL)
+
+
+def _layer_shapes(cfg: ModelConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors under prefix p: its norms, MLP and token mixer (GDN or attention)."""
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+              p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)}
+    if kind == LINEAR:
+        nv = cfg.lin_num_v_heads
+        return shapes | {p + "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H),
+                         p + "linear_attn.in_proj_z.weight": (cfg.value_dim, H),
+                         p + "linear_attn.in_proj_b.weight": (nv, H), p + "linear_attn.in_proj_a.weight": (nv, H),
+                         p + "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
+                         p + "linear_attn.dt_bias": (nv,), p + "linear_attn.A_log": (nv,),
+                         p + "linear_attn.norm.weight": (cfg.lin_v_dim,),
+                         p + "linear_attn.out_proj.weight": (H, cfg.value_dim)}
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return shapes | {p + "self_attn.q_proj.weight": (2 * nh * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
+                     p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+                     p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
 
 
 def _files(model_dir: Path) -> list[Path]:

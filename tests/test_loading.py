@@ -7,7 +7,7 @@ import pytest
 
 from engine.checkpoint import _write_safetensors, config_json
 from engine.config import ConfigError, ModelConfig
-from engine.weights import WeightError, load_weights, read_safetensors
+from engine.weights import WeightError, load_weights, mtp_shapes, read_safetensors
 
 
 def text_cfg(**changes):
@@ -106,6 +106,24 @@ def test_visual_and_mtp_ignored_and_text_only_names(ckpt):
     _rewrite(ckpt, edit)
     w = load_weights(ckpt, ModelConfig.from_dir(ckpt))
     assert not any(k.startswith(("visual", "mtp")) for k in w)
+
+
+def test_make_model_writes_the_mtp_head_as_published(tiny_dir):
+    """The checkpoint maker writes the MTP head at top level, 15 tensors (spec-decode-spec §1.2), and
+    says so in the config; the loader skips it."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    written = {k: v.shape for k, v in read_safetensors(tiny_dir / "model.safetensors").items() if k.startswith("mtp.")}
+    assert written == mtp_shapes(cfg) and len(written) == 15
+    assert json.loads((tiny_dir / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+    assert not any(k.startswith("mtp") for k in load_weights(tiny_dir, cfg))
+    m = mtp_shapes(ModelConfig.from_dict(config_json("4b")))  # the 4B rows of the spec's table
+    assert (m["mtp.fc.weight"], m["mtp.layers.0.self_attn.q_proj.weight"], m["mtp.layers.0.self_attn.k_proj.weight"],
+            m["mtp.layers.0.self_attn.o_proj.weight"], m["mtp.layers.0.self_attn.q_norm.weight"],
+            m["mtp.layers.0.mlp.gate_proj.weight"], m["mtp.layers.0.mlp.down_proj.weight"]) == (
+        (2560, 5120), (8192, 2560), (1024, 2560), (2560, 4096), (256,), (9216, 2560), (2560, 9216))
+    m = mtp_shapes(ModelConfig.from_dict(config_json("27b")))
+    assert (m["mtp.fc.weight"], m["mtp.layers.0.self_attn.q_proj.weight"], m["mtp.layers.0.self_attn.o_proj.weight"]) \
+        == ((5120, 10240), (12288, 5120), (5120, 6144))
 
 
 def test_sharded_checkpoint(tmp_path, tiny_dir):
