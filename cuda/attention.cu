@@ -84,7 +84,8 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&f)[E]) {
 
 // q: [T, nh, HD] contiguous; gate: [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc: [blocks, bs, nkv, HD].
 // block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its absolute position
-// (it attends keys 0..pos); chunk: keys per split, or 0 (see below). out: [T, nh*HD]. part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2].
+// (it attends keys 0..pos); chunk: keys per split, or 0 (see below). out: [T, nh*HD].
+// part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2].
 template <int HD, int G>
 __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
