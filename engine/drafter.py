@@ -1,9 +1,10 @@
 """Drafters: what a speculating request proposes to verify next (spec-decode-spec.md §3).
 
-A drafter is host code that reads a request's known tokens and returns up to k draft tokens; the
-engine asks it once per step for every request about to decode (engine.py), and the verify path
-(runner.py, verify.py) checks the drafts against the target. An empty proposal is fine: that request
-decodes plainly this step. Test oracles (tests/test_spec_decode.py) implement the same `propose`.
+A drafter's `propose(reqs, rooms)` returns up to rooms[i] draft tokens for each request about to decode;
+the engine calls it once per step with all of them (engine.py: one batch, so a drafter with weights can run
+one forward for the batch), and the verify path (runner.py, verify.py) checks the drafts against the
+target. An empty proposal is fine: that request decodes plainly this step. Test oracles
+(tests/test_spec_decode.py) implement the same `propose`.
 """
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ class NgramDrafter:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, req: Request, k: int) -> list[int]:
+    def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
+        return [self._propose(req, k) for req, k in zip(reqs, rooms)]
+
+    def _propose(self, req: Request, k: int) -> list[int]:
+        if k <= 0:
+            return []
         tokens = np.asarray(req.prompt_ids + req.output_ids, np.int64)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             # windows starting at 0 .. len-n-1: every occurrence but the suffix itself

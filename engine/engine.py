@@ -329,10 +329,16 @@ class Engine:
         """Drafts for each running request about to decode: at most what max_tokens leaves after the bonus
         token (a verify never emits past max_tokens, nor computes a position past its KV reservation)."""
         k = self.spec.num_speculative_tokens
+        reqs, rooms = [], []
         for req in self.scheduler.running:
+            req.drafts = []
             room = min(k, req.max_tokens - len(req.output_ids) - 1)
-            decoding = req.num_tokens - req.num_computed == 1
-            req.drafts = self.drafter.propose(req, room)[:room] if decoding and room > 0 else []
+            if req.num_tokens - req.num_computed == 1 and room > 0:
+                reqs.append(req)
+                rooms.append(room)
+        if reqs:
+            for req, room, drafts in zip(reqs, rooms, self.drafter.propose(reqs, rooms)):
+                req.drafts = list(drafts)[:room]
 
     def _launch(self, batch) -> tuple[ForwardInFlight | None, Exception | None]:
         with self._lock:  # a request's first chunk starts at its cached tokens (0 without a prefix hit)

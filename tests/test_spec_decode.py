@@ -34,7 +34,10 @@ class Oracle:
     def __init__(self, plain: dict, right: int | None = None):
         self.plain, self.right = plain, right
 
-    def propose(self, req: Request, k: int) -> list[int]:
+    def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
+        return [self._propose(req, k) for req, k in zip(reqs, rooms)]
+
+    def _propose(self, req: Request, k: int) -> list[int]:
         want = self.plain.get(tuple(req.prompt_ids), [])[len(req.output_ids):][:k]
         return [t if self.right is None or i < self.right else (t + 1) % 1000 for i, t in enumerate(want)]
 
@@ -132,11 +135,11 @@ def test_ngram_drafter():
     d = NgramDrafter(1, 3)
     req = lambda ids: Request("r", ids[:2], SamplingParams(), 10, frozenset(), None,  # noqa: E731
                               output_ids=ids[2:])
-    assert d.propose(req([1, 2, 3, 4, 5, 1, 2, 3]), 3) == [4, 5, 1]   # the longest suffix (3) first
-    assert d.propose(req([1, 2, 9, 1, 2, 7, 2]), 5) == [7, 2]         # the most recent occurrence
-    assert d.propose(req([7, 7, 7]), 4) == [7]                         # the continuation may overlap the suffix
-    assert d.propose(req([1, 2, 3]), 4) == [] and d.propose(req([5]), 2) == []
-    assert NgramDrafter(2, 3).propose(req([1, 2, 3, 1]), 4) == []      # a 1-token match is too short
+    assert d.propose([req([1, 2, 3, 4, 5, 1, 2, 3])], [3]) == [[4, 5, 1]]   # the longest suffix (3) first
+    assert d.propose([req([1, 2, 9, 1, 2, 7, 2])], [5]) == [[7, 2]]         # the most recent occurrence
+    assert d.propose([req([7, 7, 7])], [4]) == [[7]]                         # the continuation may overlap the suffix
+    assert d.propose([req([1, 2, 3])], [4]) == [[]] and d.propose([req([5])], [2]) == [[]]
+    assert NgramDrafter(2, 3).propose([req([1, 2, 3, 1])], [4]) == [[]]      # a 1-token match is too short
 
 
 # ---- greedy identity -------------------------------------------------------------------------------
@@ -365,8 +368,8 @@ def test_rejection_sampling_matches_plain_distribution(tiny_dir):
     draft = {t: [int(np.argmax(p2[t]))] for t in firsts}
 
     class MostLikely:
-        def propose(self, req, k):
-            return draft[req.output_ids[0]] if len(req.output_ids) == 1 else []
+        def propose(self, reqs, rooms):
+            return [draft[req.output_ids[0]] if len(req.output_ids) == 1 else [] for req in reqs]
     got, eng, _, _ = run(tiny_dir, [p0] * n, [SamplingParams(**dict(vars(sp), seed=i)) for i in range(n)],
                          {"method": "ngram", "num_speculative_tokens": 1}, MostLikely(),
                          max_num_seqs=64, max_num_batched_tokens=512, max_waiting_requests=n)
