@@ -72,11 +72,13 @@ template __global__ void conv1d_fwd<4>(const bf16_t*, long long, const bf16_t*, 
 #endif
 
 // New state = the last K-1 rows of concat(old state, x_seq). Each thread owns one (sequence, channel)
-// and reads everything before writing, so the update is in place without races.
+// and reads everything before writing, so the update is in place without races. A speculative verify
+// (spec_rows[b] >= 0) also keeps the state after each of its tokens but the last, in rows spec_rows[b] + t
+// (gdn.cu's rollback rows: the same row holds that position's conv and recurrent state).
 extern "C" __global__ void conv1d_state_update(const bf16_t* __restrict__ x, long long sx, bf16_t* state,
                                                const int* __restrict__ cu, const int* __restrict__ slots,
                                                const int* __restrict__ save_at, const int* __restrict__ save_rows,
-                                               int C, int K)
+                                               const int* __restrict__ spec_rows, int C, int K)
 {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
@@ -87,6 +89,14 @@ extern "C" __global__ void conv1d_state_update(const bf16_t* __restrict__ x, lon
     if (r > 0)
         for (int j = 0; j < K - 1; ++j)
             state[((long long)save_rows[b] * (K - 1) + j) * C + c] = x[(long long)(start + r - (K - 1) + j) * sx + c];
+    const int spec = spec_rows[b];
+    if (spec >= 0)  // after token t: concat(old state, x_seq)[t+1 .. t+K-1]
+        for (int t = 0; t + 1 < n; ++t)
+            for (int j = 0; j < K - 1; ++j) {
+                const int m = t + 1 + j;
+                state[((long long)(spec + t) * (K - 1) + j) * C + c] =
+                    m < K - 1 ? state[(slot * (K - 1) + m) * C + c] : x[(long long)(start + m - (K - 1)) * sx + c];
+            }
     bf16_t v[MAXK];
 #pragma unroll
     for (int j = 0; j < MAXK - 1; ++j) {

@@ -4,6 +4,9 @@
 //
 // Grid (dv/32, nv, B), 128 threads. A block owns a [DK, 32] tile of one head's state [DK, dv] for one
 // sequence: lane = state column, warp w = rows [w*DK/4, (w+1)*DK/4), DK/4 f32 registers per thread.
+// Sequences of several tokens run here too when they are speculative verifies (spec_rows[seq] >= 0):
+// the state after each of their tokens but the last also goes to rows spec_rows[seq] + 0, 1, ..., so a
+// verify that accepts a of its drafts is rolled back by copying row spec_rows[seq] + a into the slot.
 #include "common.cuh"
 
 #define GDN_WARPS 4
@@ -16,6 +19,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
     const float* __restrict__ A_log, const float* __restrict__ dt_bias,  // [nv] f32
     float* state,                                   // [slots, nv, DK, dv] f32
     const int* __restrict__ cu, const int* __restrict__ slots,
+    const int* __restrict__ spec_rows,              // [B]: first per-token state row, or -1
     bf16_t* __restrict__ out,                       // [T, nv*dv]
     int nk, int nv, int dv)
 {
@@ -31,7 +35,10 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
     const int hk = h / (nv / nk);
     const int t0 = cu[seq], t1 = cu[seq + 1];
     const long long slot = slots[seq];
-    float* S_base = state + (slot * nv + h) * (long long)DK * dv + col;
+    const long long row_size = (long long)nv * DK * dv;
+    float* S_base = state + slot * row_size + (long long)h * DK * dv + col;
+    // the next per-token state row (a verify), or null
+    float* S_next = spec_rows[seq] >= 0 ? S_base + (spec_rows[seq] - slot) * row_size : nullptr;
 
     float S[R];
 #pragma unroll
@@ -88,6 +95,11 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
             for (int w = 0; w < GDN_WARPS; ++w) acc += s_o[w][lane];
             out[(long long)t * nv * dv + h * dv + col] = f2bf(acc);
         }
+        if (S_next && t + 1 < t1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) S_next[(long long)(warp * R + r) * dv] = S[r];
+            S_next += row_size;
+        }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
@@ -97,11 +109,14 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
 // by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
 #ifndef __CUDACC_RTC__
 template __global__ void gdn_recurrent<32>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
-                                           const float*, const float*, float*, const int*, const int*, bf16_t*, int, int, int);
+                                           const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
+                                           int, int, int);
 template __global__ void gdn_recurrent<64>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
-                                           const float*, const float*, float*, const int*, const int*, bf16_t*, int, int, int);
+                                           const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
+                                           int, int, int);
 template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
-                                            const float*, const float*, float*, const int*, const int*, bf16_t*, int, int, int);
+                                            const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
+                                            int, int, int);
 #endif
 
 // ---- Chunked (WY/UT) form for prefill (spec §4.7), two kernels ----------------------------------

@@ -233,13 +233,17 @@ class NumpyBackend:
             out[cu[b]:cu[b + 1]] = sum(xp[j:j + n] * w[:, j] for j in range(K))
             if step.save_at is not None and step.save_at[b]:  # the K-1 inputs before the saved position
                 state[step.save_rows[b]] = xp[step.save_at[b]:step.save_at[b] + K - 1]
+            if step.spec_rows is not None and step.spec_rows[b] >= 0:  # a verify: after each token but the last
+                for t in range(n - 1):
+                    state[step.spec_rows[b] + t] = xp[t + 1:t + K]
             state[slot] = xp[-(K - 1):]
         return silu(out)
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
         """Gating, head mapping, q/k L2 norm and the gated delta rule (spec §4.3-§4.7).
         qkv [T, 2*nk*dk + nv*dv] conv output; a, b [T, nv]; state [slots, nv, dk, dv] updated in place.
-        Returns o [T, nv*dv]. Single-token sequences use the recurrence, longer ones the chunked form."""
+        Returns o [T, nv*dv]. Single-token sequences and verifies use the recurrence (a verify keeps the
+        state after each token but the last in its spec rows, step.py), longer ones the chunked form."""
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
@@ -257,7 +261,14 @@ class NumpyBackend:
             s = slice(cu[i], cu[i + 1])
             rule = delta_rule_recurrent if cu[i + 1] - cu[i] == 1 else delta_rule_chunked
             r = int(step.save_at[i]) if step.save_at is not None else 0
-            if r:  # the chunked form cut at a chunk boundary computes exactly what it does whole
+            spec = int(step.spec_rows[i]) if step.spec_rows is not None else -1
+            if spec >= 0:
+                for t in range(cu[i], cu[i + 1]):
+                    h = slice(t, t + 1)
+                    o[h], state[slot] = delta_rule_recurrent(q[h], k[h], v[h], g[h], beta[h], state[slot])
+                    if t + 1 < cu[i + 1]:
+                        state[spec + t - cu[i]] = state[slot]
+            elif r:  # the chunked form cut at a chunk boundary computes exactly what it does whole
                 h = slice(cu[i], cu[i] + r)
                 o[h], state[step.save_rows[i]] = rule(q[h], k[h], v[h], g[h], beta[h], state[slot])
                 s = slice(cu[i] + r, cu[i + 1])

@@ -34,7 +34,7 @@ from .runner import ForwardInFlight, ModelRunner, Verified
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import AdmissionError, OverloadedError, Scheduler
-from .state_slots import DUMMY_SLOT, StateSlotPool
+from .state_slots import DUMMY_SLOT, SpecRowPool, StateSlotPool
 from .state_snapshots import SnapshotPool
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .trace import StepTrace
@@ -141,17 +141,17 @@ class Engine:
                                    prefill_budget_with_decodes=a.prefill_budget_with_decodes,
                                    max_waiting_requests=a.max_waiting_requests,
                                    # the GDN chunk: prompt chunks then keep the chunked form's boundaries
-                                   chunk_align=GDN_CHUNK if a.batch_invariant else 1, prefix=self.prefix)
-        cache = model.alloc_cache(plan.num_slots + plan.num_snapshots + plan.num_scratch, self.kv.num_blocks,
-                                  a.block_size)
+                                   chunk_align=GDN_CHUNK if a.batch_invariant else 1, prefix=self.prefix,
+                                   spec_rows=SpecRowPool(plan.num_slots + plan.num_snapshots, plan.spec_tokens,
+                                                         plan.num_spec_sets) if spec else None)
+        cache = model.alloc_cache(plan.num_rows, self.kv.num_blocks, a.block_size)
         log.info(plan.describe(backend.name, model.weight_bytes(), a))
         if self.prefix is not None and not plan.num_snapshots:
             log.warning("prefix caching is on but the memory plan left no GDN state snapshots: every request is "
                         "served cold (give --num-state-snapshots)")
         self.spec = spec
         self.drafter = make_drafter(spec) if spec else None  # tests swap in oracle drafters
-        self.runner = ModelRunner(model, cache, Sampler(a.seed),
-                                  scratch=plan.num_slots + plan.num_snapshots if spec else None)
+        self.runner = ModelRunner(model, cache, Sampler(a.seed))
         if backend.needs_warm_up:
             self.runner.warm_up(min(a.max_num_batched_tokens, max_len))
         if backend.decode_graphs and not a.enforce_eager:
@@ -333,7 +333,7 @@ class Engine:
         for req in self.scheduler.running:
             req.drafts = []
             room = min(k, req.max_tokens - len(req.output_ids) - 1)
-            if req.num_tokens - req.num_computed == 1 and room > 0:
+            if req.num_tokens - req.num_computed == 1 and room > 0 and req.spec_row is not None:
                 reqs.append(req)
                 rooms.append(room)
         if reqs:
@@ -464,35 +464,42 @@ class Engine:
     def _on_verified(self, req: Request, res: Verified) -> None:
         """A verify's tokens, delivered one by one as plain decoding would (stop tokens, stop strings and
         max_tokens end the request at the first that finishes it); if a draft was rejected, the state
-        goes back to where the verify began and the accepted tokens are computed again next step."""
-        s = self._stats
+        goes back to the last accepted token's."""
+        s, accepted = self._stats, len(res.tokens) - 1
         s.spec_decode_num_drafts += 1
         s.spec_decode_num_draft_tokens += res.drafted
-        s.spec_decode_num_accepted_tokens += len(res.tokens) - 1
+        s.spec_decode_num_accepted_tokens += accepted
+        req.num_draft_tokens += res.drafted
+        req.num_accepted_tokens += accepted
         for tok in res.tokens:
             self._on_token(req, tok)
             if req.status is not Status.RUNNING:
                 return
-        if len(res.tokens) <= res.drafted:
-            self.runner.restore(req)
-            self.scheduler.rewind(req, res.drafted + 1)
+        if accepted < res.drafted:
+            self.runner.roll_back(req, accepted)
+            self.scheduler.rewind(req, res.drafted - accepted)
 
     def _finish(self, req: Request, reason: str, stop_reason=None, out: RequestOutput | None = None,
                 error: str | None = None) -> None:
         if req.status is Status.WAITING:
             with self._lock:
                 self._pending -= 1
+        spec = None if self.spec is None else {  # before finish() frees its rollback rows
+            "speculative": req.spec_row is not None, "draft_tokens": req.num_draft_tokens,
+            "accepted_tokens": req.num_accepted_tokens}
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         self._stats.finished[reason] = self._stats.finished.get(reason, 0) + 1
         out = out or RequestOutput(req.request_id, [], "", prompt_tokens=len(req.prompt_ids),
                                    completion_tokens=len(req.output_ids))
         out.finished, out.finish_reason, out.stop_reason, out.error = True, reason, stop_reason, error
+        out.spec_decode = spec
         self._emit(req, out)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         if self.prefix is not None:
             out.cached_tokens = req.cached_tokens
+
         try:
             req.sink(out)
         except Exception as e:  # noqa: BLE001 - a broken consumer must not take the loop down

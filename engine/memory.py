@@ -10,9 +10,10 @@ With prefix caching the snapshot pool (rows of the same state arrays, after the 
 leaves, and the KV blocks then take all the rest: past what running sequences can use, a block is a
 cached prefix.
 
-With speculative decoding each slot gets a scratch row too (after the snapshots): the state from before
-its verify, restored when a draft is rejected (runner.py); and the step reserve counts a verify's
-logits rows, 1 + k per sequence.
+With speculative decoding (k drafts per verify) each speculating sequence needs a set of k rollback rows
+(after the snapshots; state_slots.SpecRowPool): max_num_seqs sets when they fit in half the budget the
+slots leave (or, with num_kv_blocks given, in what those blocks leave), else as many as fit there (a
+request admitted without a set runs without speculation). The step reserve counts a verify's logits rows, 1 + k per sequence.
 """
 from __future__ import annotations
 
@@ -29,16 +30,23 @@ class CachePlan:
     slot_bytes: int
     block_bytes: int
     num_snapshots: int = 0    # state rows after the slots (prefix caching), each slot_bytes
-    num_scratch: int = 0      # state rows after the snapshots (speculative decoding: one per sequence)
+    num_spec_sets: int = 0    # speculative decoding: sets of spec_tokens rollback rows, after the snapshots
+    spec_tokens: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """State rows the cache is allocated with: slots, snapshots, rollback rows."""
+        return self.num_slots + self.num_snapshots + self.num_spec_sets * self.spec_tokens
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)
         caching = (f"prefix caching: {self.num_snapshots} state snapshots x {self.slot_bytes * mib:.1f} MiB = "
                    f"{self.num_snapshots * self.slot_bytes * gib:.2f} GiB" if a.enable_prefix_caching
                    else "prefix caching off")
-        if self.num_scratch:
-            caching += (f"; speculative decoding: {self.num_scratch} scratch state rows = "
-                        f"{self.num_scratch * self.slot_bytes * gib:.2f} GiB")
+        if self.spec_tokens:
+            rows = self.num_spec_sets * self.spec_tokens
+            caching += (f"; speculative decoding: rollback rows for {self.num_spec_sets} of {a.max_num_seqs} "
+                        f"sequences ({rows} rows) = {rows * self.slot_bytes * gib:.2f} GiB")
         return (f"memory plan ({backend_name}): weights {weight_bytes * gib:.2f} GiB; step activations for "
                 f"{a.max_num_batched_tokens} tokens; {self.num_slots} state slots x {self.slot_bytes * mib:.1f} MiB "
                 f"= {self.num_slots * self.slot_bytes * gib:.2f} GiB; {self.num_blocks} KV blocks x {a.block_size} "
@@ -55,7 +63,6 @@ def unit_bytes(model, block_size: int) -> tuple[int, int]:
 def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -> CachePlan:
     """spec_tokens: speculative decoding's drafts per verify (0: off)."""
     num_slots = a.max_num_seqs + 1
-    num_scratch = a.max_num_seqs if spec_tokens else 0
     slot_bytes, block_bytes = unit_bytes(model, a.block_size)
     useful = a.max_num_seqs * -(-max_model_len // a.block_size) + 1  # what running sequences can use at once
     need_budget = a.num_kv_blocks is None or (a.enable_prefix_caching and a.num_state_snapshots is None)
@@ -65,17 +72,24 @@ def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -
         budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs * (1 + spec_tokens),
                                         a.gpu_memory_utilization)
     num_snapshots = 0
+    running_kv = (a.num_kv_blocks if a.num_kv_blocks is not None else useful) * block_bytes
+    num_sets = a.max_num_seqs if spec_tokens else 0
+    if spec_tokens and budget is not None:  # what the given KV blocks leave, else at most half the rest
+        room = budget - num_slots * slot_bytes
+        room = room - running_kv if a.num_kv_blocks is not None else room // 2
+        num_sets = max(0, min(num_sets, room // (spec_tokens * slot_bytes)))
+    spec_rows = num_sets * spec_tokens
     if a.enable_prefix_caching:
         num_snapshots = a.num_state_snapshots
         if num_snapshots is None:
-            running_kv = (a.num_kv_blocks if a.num_kv_blocks is not None else useful) * block_bytes
-            spare = budget - (num_slots + num_scratch) * slot_bytes - running_kv
+            spare = budget - (num_slots + spec_rows) * slot_bytes - running_kv
             num_snapshots = default_num_snapshots(a.max_num_seqs, slot_bytes, spare)
         if num_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {num_snapshots}")
     num_blocks = a.num_kv_blocks
     if num_blocks is None:
-        num_blocks = (budget - (num_slots + num_snapshots + num_scratch) * slot_bytes) // block_bytes
+        num_blocks = (budget - (num_slots + num_snapshots + spec_rows) * slot_bytes) // block_bytes
         if not a.enable_prefix_caching:
             num_blocks = min(num_blocks, useful)
-    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots), num_scratch)
+    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots), int(num_sets),
+                     spec_tokens)

@@ -8,10 +8,10 @@ logits, collect() waits for the tokens and brings them to the host. A sampled to
 forward on the device (Step.feed) before collect() has seen it.
 
 Speculative decoding: a request scheduled with drafts (scheduler.py) is a verify, `[pending token,
-d_1..d_k]` with logits on all 1 + k rows. Before the forward its GDN state is copied to its scratch row
-(one per slot, after the snapshots); verify.py turns the rows into the emitted tokens (`Verified`),
-and when a draft was rejected the engine has `restore()` copy the state back and rewinds the request
-(the accepted tokens are computed again at the start of its next step).
+d_1..d_k]` with logits on all 1 + k rows. Its GDN layers keep the state after each of its tokens but the
+last in its rollback rows (step.py); verify.py turns the rows into the emitted tokens (`Verified`), and
+when it accepted a < k drafts the engine has `roll_back()` copy rollback row a into the slot and rewinds
+the request by the k - a rejected positions.
 """
 from __future__ import annotations
 
@@ -69,11 +69,9 @@ class SamplingInFlight:
 
 
 class ModelRunner:
-    def __init__(self, model, cache, sampler: Sampler, graphs=None, scratch: int | None = None):
-        """graphs: a DecodeGraphs (CUDA) that replays pure-decode steps; None runs every step eagerly.
-        scratch: speculative decoding, the first of the state rows that keep each slot's state from
-        before its verify (slot s: row scratch + s - 1); None without speculation."""
-        self.model, self.cache, self.sampler, self.graphs, self.scratch = model, cache, sampler, graphs, scratch
+    def __init__(self, model, cache, sampler: Sampler, graphs=None):
+        """graphs: a DecodeGraphs (CUDA) that replays pure-decode steps; None runs every step eagerly."""
+        self.model, self.cache, self.sampler, self.graphs = model, cache, sampler, graphs
         self.ops = model.ops
         self.timing = False  # mark device time around each forward and sampling (the step trace)
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
@@ -108,7 +106,7 @@ class ModelRunner:
                     inside[slot] = (pos - span[slot][0], sid)
                 else:
                     at_end.append((slot, sid))
-        chunks, want, dst, src, saves, drafts, t = [], [], [], [], {}, {}, 0
+        chunks, want, dst, src, saves, drafts, spec, t = [], [], [], [], {}, {}, {}, 0
         for i, (req, n) in enumerate(batch):
             if req.slot in inside:
                 saves[i] = inside[req.slot]
@@ -122,6 +120,7 @@ class ModelRunner:
             if k:
                 drafts[req] = req.drafts[:k]
                 ids += drafts[req]
+                spec[i] = req.spec_row
             assert len(ids) == n, (req.request_id, start, n, len(ids))
             chunks.append((ids, start, req.slot, req.block_ids))
             want.append(1 + k if start + n >= req.num_tokens else 0)
@@ -132,13 +131,10 @@ class ModelRunner:
             same = len(src) == len(prev.requests) and (src_rows == np.arange(len(src))).all()
             xp = array_module(prev.tokens)
             feed = (np.array(dst, np.int64), prev.tokens if same else prev.tokens[xp.asarray(src_rows)])
-        step = Step.build(chunks, want, feed, saves)
+        step = Step.build(chunks, want, feed, saves, spec)
         start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
-        if drafts:  # a verify may be rolled back: keep each verifying slot's state from before it
-            slots = [req.slot for req in drafts]
-            self.ops.copy_slots(self.cache, slots, [self.scratch + s - 1 for s in slots])
         if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
             logits = self.graphs.run(step)  # every sequence decodes one token
         else:
@@ -148,10 +144,10 @@ class ModelRunner:
         marks = (start, self.ops.mark()) if self.timing else ()
         return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts)
 
-    def restore(self, req: Request) -> None:
-        """req's verify rejected a draft: its slot gets back the state from before the verify (in stream
-        order, after the verify, before any later forward)."""
-        self.ops.copy_slots(self.cache, [self.scratch + req.slot - 1], [req.slot])
+    def roll_back(self, req: Request, accepted: int) -> None:
+        """req's verify accepted only `accepted` drafts: its slot gets the state after its last accepted
+        token (in stream order, after the verify, before any later forward)."""
+        self.ops.copy_slots(self.cache, [req.spec_row + accepted], [req.slot])
 
     def sample(self, launched: ForwardInFlight) -> SamplingInFlight:
         """Launches the sampling of the step's requests that are still running (one finished while the

@@ -1,7 +1,12 @@
-"""Slot pool for the GDN conv and recurrent state: one slot per running sequence.
+"""Pools of GDN conv + recurrent state rows: one slot per running sequence, and (speculative decoding) one
+set of rollback rows per speculating sequence.
 
-Slot 0 is a dummy (CUDA-graph padding). The pool only hands out ids; the model runner zeroes
+Slot 0 is a dummy (CUDA-graph padding). The pools only hand out ids; the model runner zeroes
 a slot's state on the first chunk a sequence runs in it, so a reused slot never leaks state.
+
+A rollback set is k consecutive rows (k = the drafts per verify): a verify writes the state after each of
+its tokens but the last into them (step.py), and a verify that accepted a < k drafts copies row a back
+into the slot. A request admitted when no set is free runs without speculation.
 """
 from __future__ import annotations
 
@@ -30,3 +35,20 @@ class StateSlotPool:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+
+class SpecRowPool:
+    def __init__(self, first_row: int, rows_per_set: int, num_sets: int):
+        self.rows_per_set, self.capacity = rows_per_set, num_sets
+        self._free = [first_row + i * rows_per_set for i in range(num_sets - 1, -1, -1)]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """The first row of a free set, or None (the request then runs without speculation)."""
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)

@@ -11,6 +11,11 @@ them in, on the device, in stream order.
 Prefix caching may ask for a sequence's state part-way through its chunk as well (`save_at`): the
 GDN layers also write the conv and recurrent state after that many of its new tokens (a multiple of
 the GDN chunk, where the chunked pass has it anyway) into another cache row, a snapshot.
+
+A speculative verify (`spec_rows`, speculative decoding) keeps the state after each of its new tokens
+but the last as well, in consecutive cache rows: a verify that accepted a drafts is rolled back by
+copying row spec_rows[b] + a into its slot. Verifies come after the decodes and before the prefills,
+and the GDN layers run them token by token, as decodes.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class Step:
     feed: tuple | None = None  # (rows [k] ascending, token ids [k] on the backend's device) to fill in tokens
     save_at: np.ndarray | None = None    # [B] int32: also save the state after this many new tokens (0: none)
     save_rows: np.ndarray | None = None  # [B] int32: the cache row (a snapshot) that state goes to
+    spec_rows: np.ndarray | None = None  # [B] int32: a verify's first per-token state row (-1: not a verify)
 
     @property
     def num_seqs(self) -> int:
@@ -42,10 +48,12 @@ class Step:
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[int] | None = None,
-              feed: tuple | None = None, saves: dict[int, tuple[int, int]] | None = None) -> "Step":
+              feed: tuple | None = None, saves: dict[int, tuple[int, int]] | None = None,
+              spec: dict[int, int] | None = None) -> "Step":
         """chunks: per sequence (new token ids, base_pos, slot, block ids). sample: per sequence how many
         of its last rows need logits (default 1; a bool counts as 0 or 1). saves: sequence index ->
-        (new tokens after which its state is saved, the snapshot row)."""
+        (new tokens after which its state is saved, the snapshot row). spec: verifying sequence index ->
+        its first per-token state row."""
         lens = [len(c[0]) for c in chunks]
         cu = np.zeros(len(chunks) + 1, np.int32)
         cu[1:] = np.cumsum(lens)
@@ -60,6 +68,11 @@ class Step:
             for i, (n, row) in saves.items():
                 assert GDN_CHUNK <= n < len(chunks[i][0]) and n % GDN_CHUNK == 0, (i, n)
                 save_at[i], save_rows[i] = n, row
+        spec_rows = None
+        if spec:
+            spec_rows = np.full(len(chunks), -1, np.int32)
+            for i, row in spec.items():
+                spec_rows[i] = row
         return cls(
             tokens=np.array([t for c in chunks for t in c[0]], np.int32),
             positions=np.concatenate([np.arange(c[1], c[1] + len(c[0])) for c in chunks]).astype(np.int32),
@@ -67,5 +80,5 @@ class Step:
             seq_lens=np.array([c[1] + len(c[0]) for c in chunks], np.int32),
             logits_rows=np.array([r for i in range(len(chunks)) for r in range(cu[i + 1] - sample[i], cu[i + 1])],
                                  np.int32),
-            feed=feed, save_at=save_at, save_rows=save_rows,
+            feed=feed, save_at=save_at, save_rows=save_rows, spec_rows=spec_rows,
         )

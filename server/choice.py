@@ -25,6 +25,7 @@ class ChoiceState:
         self.index, self.tokenizer = index, tokenizer
         self.num_tokens = 0
         self.cached_tokens = None  # prompt tokens the engine's prefix cache served (None: caching off)
+        self.spec_decode = None    # speculative decoding's per-request figures, from the final event (None: off)
         self.finished = False
         self.splitter = None if thinking is None else ReasoningSplitter(thinking)
 
@@ -32,6 +33,8 @@ class ChoiceState:
         """out: an engine RequestOutput (one step's delta, or the final event)."""
         self.num_tokens = max(self.num_tokens, out.completion_tokens)
         self.cached_tokens = out.cached_tokens
+        if out.spec_decode is not None:
+            self.spec_decode = out.spec_decode
         self.finished = out.finished
         d = Delta(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason if out.finished else None,
                   stop_reason=out.stop_reason,

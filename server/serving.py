@@ -50,6 +50,13 @@ class Job:
         cached = [c.cached_tokens for c in self.choices[::self.g.n]]
         if any(x is not None for x in cached):
             out["prompt_tokens_details"] = {"cached_tokens": sum(x or 0 for x in cached)}
+        # With speculative decoding on (not vLLM's: it has per-request figures only in its metrics): the choices'
+        # drafted and accepted tokens, and how many ran without speculation (no rollback rows left for them).
+        spec = [c.spec_decode for c in self.choices if c.spec_decode is not None]
+        if spec:
+            out["spec_decode"] = {"draft_tokens": sum(s["draft_tokens"] for s in spec),
+                                  "accepted_tokens": sum(s["accepted_tokens"] for s in spec),
+                                  "choices_without_speculation": sum(not s["speculative"] for s in spec)}
         return out
 
 

@@ -318,3 +318,35 @@ def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
     assert rel(be.to_host(conv_dev), conv_np) == 0.0                   # rows 6, 7: copies of bf16 inputs
     assert rel(be.to_host(rec_dev), rec_np) <= 2e-4
     assert rel(be.to_host(rec_dev)[6:], rec0[6:]) > 0.1                 # the saves were written
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
+def test_verify_keeps_the_state_after_each_token(be, ref, nk, nv, dk, dv):
+    """Step.spec_rows (speculative decoding): a decode, two verifies (4 and 2 tokens) and a prefill; the
+    verifies run the token recurrence and write the conv and recurrent state after each of their tokens but
+    the last into their rollback rows, as the reference does; everything else is unchanged."""
+    rng = np.random.default_rng(12)
+    lens = [1, 4, 2, 90]
+    step = make_step(rng, lens, [9, 20, 33, 0], 64, 16, num_slots=5)  # slots 0-4; rows 5-9 rollback rows
+    step.spec_rows = np.array([-1, 5, 8, -1], np.int32)
+    T, C = sum(lens), 2 * nk * dk + nv * dv
+    qkv, w = rnd(rng, T, C), rnd(rng, C, 4, scale=0.5)
+    ab = rnd(rng, T, 2 * nv)
+    A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
+    dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
+    conv0, rec0 = rnd(rng, 10, 3, C), (rng.standard_normal((10, nv, dk, dv)) * 0.5).astype(np.float32)
+    conv_np, rec_np = conv0.np.copy(), rec0.copy()
+    mr = ref.prepare(step, _C())
+    want_x = ref.conv1d(qkv.np, w.np, conv_np, mr)
+    want_o = ref.delta_rule(qkv.np, ab.np[:, :nv], ab.np[:, nv:], A_log, dt_bias, rec_np, mr)
+    conv_dev, rec_dev = conv0.dev.copy(), cupy.asarray(rec0)
+    m = be.prepare(step, be_cache())
+    assert (m.n_dec, m.n_rec) == (1, 3)
+    got_x = be.conv1d(qkv.dev, w.dev, conv_dev, m)
+    got_o = be.delta_rule(qkv.dev, ab.dev[:, :nv], ab.dev[:, nv:], cupy.asarray(A_log), cupy.asarray(dt_bias),
+                          rec_dev, m)
+    assert rel(be.to_host(got_x), want_x) <= BF16_TOL and rel(be.to_host(got_o), want_o) <= BF16_TOL
+    assert rel(be.to_host(conv_dev), conv_np) == 0.0                   # rollback rows: copies of bf16 inputs
+    assert rel(be.to_host(rec_dev), rec_np) <= 2e-4
+    assert all(rel(be.to_host(rec_dev)[r], rec0[r]) > 0.1 for r in (5, 6, 7, 8))  # written
+    assert rel(be.to_host(rec_dev)[9], rec0[9]) == 0.0                 # a 2-token verify writes one row

@@ -254,7 +254,7 @@ def test_prefill_budget_with_decodes_keeps_chunk_alignment():
 
 def test_verifies_after_decodes_and_drafts_cut_so_no_decode_starves():
     """Speculative decoding: a decoding request with drafts is a 1 + k verify, after the plain decodes;
-    drafts get only what one token for every decoding request leaves; rewind undoes a verify."""
+    drafts get only what one token for every decoding request leaves; rewind takes back rejected drafts."""
     s = sched(budget=8, seqs=4)
     a, b, c = req("a", 2, max_tokens=8), req("b", 2, max_tokens=8), req("c", 2, max_tokens=8)
     for r in (a, b, c):
@@ -265,5 +265,5 @@ def test_verifies_after_decodes_and_drafts_cut_so_no_decode_starves():
     assert batch == [(c, 1), (a, 4), (b, 3)]    # 8 = 3 decodes + a's 3 drafts + b's 2 (cut)
     assert a.drafts == [1, 2, 3] and b.drafts == [4, 5]
     s.advance(a, 4)
-    s.rewind(a, 4)
-    assert a.num_computed == 2
+    s.rewind(a, 2)                              # 1 of 3 drafts accepted
+    assert a.num_computed == 4

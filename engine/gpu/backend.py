@@ -65,9 +65,11 @@ class Meta:
     logits_rows: cupy.ndarray
     save_at: cupy.ndarray       # [B] Step.save_at (zeros: no saves)
     save_rows: cupy.ndarray     # [B]
+    spec_rows: cupy.ndarray     # [B] Step.spec_rows (-1: not a verify)
     block_tables: cupy.ndarray  # [B, width]
     max_new: int = 1  # the most new tokens of one sequence (1: a decode step)
     n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
+    n_rec: int = 0    # leading decodes and verifies (verifies come next): the GDN token recurrence takes them
     # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
     # number of leading single-token sequences)
     prefill_tiles: tuple | None = None
@@ -171,7 +173,7 @@ class CudaBackend:
     def meta_size(T: int, B: int, n_logits: int, width: int) -> int:
         """int32 elements of the packed metadata buffer prepare() uploads: T tokens, B sequences,
         n_logits sampled rows, block tables `width` wide."""
-        return 4 * T + (B + 1) + 4 * B + n_logits + B * width
+        return 4 * T + (B + 1) + 5 * B + n_logits + B * width
 
     def prepare(self, step: Step, cache: Cache, out: cupy.ndarray | None = None, max_ctx: int | None = None,
                 staging: np.ndarray | None = None) -> Meta:
@@ -194,8 +196,9 @@ class CudaBackend:
         no_saves = np.zeros(B, np.int32)
         save_at = step.save_at if step.save_at is not None else no_saves
         save_rows = step.save_rows if step.save_rows is not None else no_saves
+        spec_rows = step.spec_rows if step.spec_rows is not None else np.full(B, -1, np.int32)
         parts = [step.tokens, step.positions, step.cu_seqlens, step.slots, step.seq_lens, slot_mapping, seq,
-                 step.logits_rows, save_at, save_rows, bt.reshape(-1)]
+                 step.logits_rows, save_at, save_rows, spec_rows, bt.reshape(-1)]
         parts = [np.asarray(p, np.int32).reshape(-1) for p in parts]
         host = np.concatenate(parts)
         if out is None:
@@ -231,7 +234,9 @@ class CudaBackend:
                 raise ValueError(f"prepare: max_ctx {max_ctx} < longest context {ctx}")
             ctx = int(max_ctx)
         lens = np.diff(step.cu_seqlens)
-        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=leading_singles(lens))
+        n_dec = leading_singles(lens)
+        n_rec = n_dec + int(np.cumprod(spec_rows[n_dec:] >= 0).sum())
+        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=n_dec, n_rec=n_rec)
 
     def memory_used(self) -> int:
         return cupy.get_default_memory_pool().used_bytes()
@@ -360,13 +365,13 @@ class CudaBackend:
                                                   i32(T), i32(C), i32(tt)))
             self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
                                                     (x, sx, state, meta.cu_seqlens, meta.slots, meta.save_at,
-                                                     meta.save_rows, i32(C), i32(K)))
+                                                     meta.save_rows, meta.spec_rows, i32(C), i32(K)))
         return out
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
-        """Gated delta rule for every sequence: the token recurrence for the leading single-token
-        sequences (decodes), the chunked WY form for the rest (prefill, chunked prefill). A decode row
-        thus takes the same kernel in a decode step and in a mixed one."""
+        """Gated delta rule for every sequence: the token recurrence for the leading decodes and verifies
+        (a verify keeps its per-token states, step.py), the chunked WY form for the rest (prefill, chunked
+        prefill). A decode row thus takes the same kernel in a decode step and in a mixed one."""
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
@@ -375,12 +380,12 @@ class CudaBackend:
         out = self._empty((T, nv * dv))
         if not T:
             return out
-        nd = meta.n_dec
+        nd = meta.n_rec
         if nd:
             self._fn("gdn.cu", f"gdn_recurrent<{dk}>")(
                 (dv // 32, nv, nd), (128,),
-                (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots, out,
-                 i32(nk), i32(nv), i32(dv)))
+                (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots,
+                 meta.spec_rows, out, i32(nk), i32(nv), i32(dv)))
         if nd == meta.B:
             return out
         cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
