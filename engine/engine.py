@@ -158,7 +158,10 @@ class Engine:
             from .gpu.decode_graph import DecodeGraphs
             self.runner.graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT,
                                               dummy_block=DUMMY_BLOCK, max_blocks_per_seq=-(-max_len // a.block_size),
-                                              capture_now=True)
+                                              capture_now=True,
+                                              # verifies' padded rows fit the dummy page: K < block_size
+                                              verify_k=plan.spec_tokens if plan.spec_tokens < a.block_size else 0,
+                                              dummy_spec_row=plan.num_rows - plan.spec_tokens)
         log.info("engine ready in %.1f s (config and weights %.1f s; cache, kernels, warm-up and graphs %.1f s)",
                  time.perf_counter() - t_start, t_weights - t_start, time.perf_counter() - t_weights)
         self.max_model_len = max_len

@@ -35,8 +35,9 @@ class CachePlan:
 
     @property
     def num_rows(self) -> int:
-        """State rows the cache is allocated with: slots, snapshots, rollback rows."""
-        return self.num_slots + self.num_snapshots + self.num_spec_sets * self.spec_tokens
+        """State rows the cache is allocated with: slots, snapshots, rollback rows, and one more set of
+        rollback rows for padding (a CUDA graph's padded verify rows write there)."""
+        return self.num_slots + self.num_snapshots + (self.num_spec_sets + bool(self.spec_tokens)) * self.spec_tokens
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)

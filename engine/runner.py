@@ -135,8 +135,8 @@ class ModelRunner:
         start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
-        if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
-            logits = self.graphs.run(step)  # every sequence decodes one token
+        if self.graphs is not None and self.graphs.kind(step) is not None:
+            logits = self.graphs.run(step)  # every sequence decodes one token, or verifies K drafts
         else:
             logits = self.model.forward(step, self.cache)
         if at_end:

@@ -63,7 +63,7 @@ class World:
     """n sequences prefilled eagerly in random non-contiguous slots and pages; spare slot and pages
     nobody owns are filled with a pattern, the dummy slot and page with garbage."""
 
-    def __init__(self, model, n, steps, seed):
+    def __init__(self, model, n, steps, seed, extra_rows=0):
         rng = np.random.default_rng(seed)
         self.model, self.rng = model, rng
         self.lens = [int(x) for x in rng.integers(1, 40, n)]
@@ -79,7 +79,7 @@ class World:
         self.spare_blocks = pages[o:]
         self.spare_slots = sorted(set(range(1, self.num_slots)) - set(self.slots))
         self.width = max(need) + 2                              # graphs wider than any table
-        c = self.cache = model.alloc_cache(self.num_slots, self.num_blocks, BS)
+        c = self.cache = model.alloc_cache(self.num_slots + extra_rows, self.num_blocks, BS)  # + rollback rows
         for a in c.conv + c.rec + c.k + c.v:                    # garbage everywhere, then prefill
             if a.dtype == cupy.uint16:
                 a[...] = cupy.asarray(rng.integers(0, 1 << 16, a.shape, dtype=np.uint16) & 0x3FFF)  # finite, < 2
@@ -167,7 +167,7 @@ def test_graph_mixed_batches(request, preset):
     before = host(w.cache)
     graphs = DecodeGraphs(model, w.cache, max_num_seqs=8, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
                           max_blocks_per_seq=w.width, capture_now=True)
-    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert sorted(graphs.graphs) == [(1, 0), (2, 0), (4, 0), (8, 0)]
     pos = list(w.lens)
     for k in sizes:
         which = [int(i) for i in w.rng.permutation(n)[:k]]
@@ -194,3 +194,49 @@ def test_graph_rejects_non_decode(request):
         graphs.run(dummy)
     with pytest.raises(ValueError):
         graphs.run(Step.build([([1], w.lens[0], w.slots[0], w.blocks[0])] * 5))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_graph_verify_bit_exact(request, preset):
+    """Uniform verifies of K drafts (speculative decoding) replay from their own graphs: logits, the slots'
+    states and every rollback row equal eager execution of the padded step bit for bit, padded rows write
+    only the dummy slot, page and rollback rows, and a decode step still replays its own graph after."""
+    model = _model(request, preset)
+    B, K, steps = 3, 3, 3
+    w = World(model, B, steps * (1 + K), seed=5 + len(preset), extra_rows=(B + 1) * K)
+    spec = {i: w.num_slots + i * K for i in range(B)}
+    dummy_rows = w.num_slots + B * K
+    eager_c, plain_c = copy_cache(w.cache), copy_cache(w.cache)
+    before = host(w.cache)
+    graphs = DecodeGraphs(model, w.cache, max_num_seqs=4, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
+                          max_blocks_per_seq=w.width, verify_k=K, dummy_spec_row=dummy_rows)
+    pos = list(w.lens)
+    worst = 0.0
+    for s in range(steps):
+        toks = w.rng.integers(0, 248000, (B, 1 + K))
+        st = Step.build([([int(t) for t in toks[i]], pos[i], w.slots[i], w.blocks[i]) for i in range(B)],
+                        [1 + K] * B, spec=spec)
+        assert graphs.kind(st) == K
+        got = cupy.asnumpy(graphs.run(st))
+        want = cupy.asnumpy(graphs.eager(st, eager_c))
+        plain = cupy.asnumpy(model.forward(st, plain_c))
+        assert got.shape == (B * (1 + K), model.cfg.vocab_size)
+        assert np.array_equal(bits(got), bits(want)), f"step {s}: replay != eager padded"
+        worst = max(worst, rel(got, plain))
+        pos = [p + 1 + K for p in pos]
+    assert (4, K) in graphs.graphs
+    g, e = host(w.cache), host(eager_c)
+    for name in ("conv", "rec"):  # every row but the dummy slot and the dummy rollback rows
+        for x, y in zip(g[name], e[name]):
+            assert np.array_equal(bits(x[1:dummy_rows]), bits(y[1:dummy_rows])), f"{name} differs"
+    for name in ("k", "v"):
+        for x, y in zip(g[name], e[name]):
+            assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{name} differs"
+    check_untouched(w, before, g)
+    assert worst <= 5e-2, worst
+    st = w.decode_step(list(range(B)), pos)
+    assert graphs.kind(st) == 0
+    assert np.array_equal(bits(cupy.asnumpy(graphs.run(st))), bits(cupy.asnumpy(graphs.eager(st, eager_c))))
+    mixed = Step.build([([1, 2], pos[0], w.slots[0], w.blocks[0]), ([3], pos[1], w.slots[1], w.blocks[1])],
+                       [2, 1], spec={0: spec[0]})
+    assert graphs.kind(mixed) is None  # not uniform: eager

@@ -5,18 +5,22 @@ At batch size 1 a decode step is launch-bound: ~15 kernels per layer, each with 
 cublasLt GEMM, the final norm and lm_head) once per batch-size bucket and replays it with one cudaGraphLaunch.
 
 How a step is run
-- Decode only: every sequence has exactly one new token, and every sequence is sampled.
+- Decode only: every sequence has exactly one new token, and every sequence is sampled. Or, with
+  speculative decoding (verify_k = K), a uniform verify: every sequence has 1 + K new tokens, all
+  sampled, and rollback rows (Step.spec_rows); its graph is captured per bucket like a decode's.
 - The step is padded to its bucket (BUCKETS, then +16 up to max_num_seqs). Padded rows decode token 0
   at position 0 (seq_len 1) into the reserved dummy state slot, with block-table row [dummy_block, ...]:
   they write and read only the dummy slot's conv/recurrent state and row 0 of the dummy KV page, so no
-  kernel needs a mask and real sequences are never touched. (Several padded rows share the dummy slot,
+  kernel needs a mask and real sequences are never touched. A padded verify row set decodes 1 + K tokens at
+  positions 0..K of the dummy page and keeps its per-token states in K dummy rollback rows (dummy_spec_row). (Several padded rows share the dummy slot,
   so its contents are garbage; nothing real ever reads it.)
 - All metadata (tokens, positions, cu_seqlens, slots, seq_lens, slot_mapping, tok_seq, logits_rows,
   block tables max_blocks_per_seq wide) lives in one static int32 device buffer per bucket;
   CudaBackend.prepare(..., out=buffer, max_ctx=self.max_ctx, staging=pinned) refills it with one
   asynchronous H2D copy per step from a pinned host buffer (so run() does not wait for the GPU).
 - The attention split-K decision depends only on the bucket and max_ctx = max_blocks_per_seq *
-  block_size (fixed at capture), never on the step's actual context lengths.
+  block_size (fixed at capture), never on the step's actual context lengths. A verify's prefill-attention
+  work list depends only on the bucket and K (every sequence has 1 + K tokens): made once, at capture.
 - run() enqueues the metadata copy and the graph launch on CuPy's current stream (the same stream as
   eager work, so ordering with prefills and sampling needs no events). Replays must be serialized
   (one stream, one thread): all graphs share one private memory pool for their intermediates.
@@ -28,7 +32,7 @@ private non-blocking stream with every allocation drawn from a private cupy Memo
 long as this object, so the default pool never hands out an address a graph uses. The logits buffer of
 each graph is kept alive by the graph record.
 
-Result of run(): a view [B, vocab] (f32) into the graph's static logits buffer, valid until the next
+Result of run(): a view [T, vocab] (f32) into the graph's static logits buffer, valid until the next
 run() (copy it, or bring it to the host, before replaying again).
 
 Bit-exactness: a replay equals eager execution of the same padded step with the same max_ctx
@@ -43,6 +47,7 @@ import cupy
 import numpy as np
 
 from ..step import Step
+from .prefill_tiles import prefill_tiles
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -65,21 +70,26 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 @dataclasses.dataclass
 class _Captured:
     bucket: int
+    k: int                 # drafts per sequence (0: a decode step)
     buf: cupy.ndarray      # static int32 metadata buffer (CudaBackend.prepare layout)
     graph: object          # cupy.cuda.graph.Graph
-    logits: cupy.ndarray   # static [bucket, vocab] f32 output
+    logits: cupy.ndarray   # static [bucket * (1 + k), vocab] f32 output
     staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
+    tiles: object = None   # a verify's static prefill-attention work list (its address is in the graph)
 
 
 class DecodeGraphs:
     def __init__(self, model, cache, max_num_seqs: int, dummy_slot: int, dummy_block: int,
-                 max_blocks_per_seq: int, capture_now: bool = False):
+                 max_blocks_per_seq: int, capture_now: bool = False, verify_k: int = 0,
+                 dummy_spec_row: int | None = None):
         """model: a Qwen35Model on a CudaBackend; cache: the cache the graphs are bound to (its arrays'
         addresses are baked into the graphs); max_blocks_per_seq: block-table width of every graph
         (the longest context a replay supports is max_blocks_per_seq * block_size). capture_now:
-        capture every bucket here (largest first) instead of on first use."""
+        capture every bucket here (largest first) instead of on first use. verify_k: also replay uniform
+        verifies of that many drafts (0: none); dummy_spec_row: the first of verify_k cache rows that
+        padded verify rows write their per-token states to."""
         if not getattr(model.ops, "decode_graphs", False):
             raise ValueError(f"DecodeGraphs needs a backend that captures CUDA graphs, not {model.ops.name!r}")
         if max_blocks_per_seq < 1:
@@ -93,7 +103,11 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(self.max_num_seqs)
         self.pool = cupy.cuda.MemoryPool()             # every capture-time allocation; lives with the graphs
         self.stream = cupy.cuda.Stream(non_blocking=True)  # capture only; replays go to the current stream
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        if verify_k and not (1 <= verify_k < self.block_size and dummy_spec_row is not None):
+            raise ValueError(f"verify_k {verify_k} needs 1 <= verify_k < block_size ({self.block_size}) (padded "
+                             "rows fit the dummy page) and dummy_spec_row")
+        self.verify_k, self.dummy_spec_row = verify_k, dummy_spec_row
         if capture_now:
             self.capture_all()
 
@@ -104,12 +118,34 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"decode batch {batch} exceeds max_num_seqs {self.max_num_seqs}")
 
+    def kind(self, step: Step) -> int | None:
+        """The step's graph kind: 0 for a pure decode step, K for a uniform verify of verify_k drafts, None
+        for any other step (it runs eagerly)."""
+        B, T = step.num_seqs, len(step.tokens)
+        if not B or len(step.logits_rows) != T:
+            return None
+        if T == B:
+            return 0
+        k = self.verify_k
+        if not k or T != B * (1 + k) or step.spec_rows is None or (step.spec_rows < 0).any():
+            return None
+        return k if np.array_equal(step.cu_seqlens, np.arange(B + 1) * (1 + k)) else None
+
     def pad(self, step: Step, bucket: int | None = None) -> Step:
-        """The decode step padded to its bucket (or `bucket`), block tables max_blocks_per_seq wide."""
+        """The step (a decode or a uniform verify) padded to its bucket (or `bucket`), block tables
+        max_blocks_per_seq wide."""
+        k = self._check(step)
+        return self._padded(step, self.bucket_for(step.num_seqs) if bucket is None else bucket, k)
+
+    def _padded(self, step: Step | None, P: int, k: int) -> Step:
+        """step's rows (None: none) then padding rows, to P sequences of 1 + k tokens."""
+        n, W = 1 + k, self.max_blocks_per_seq
+        if step is None:  # all padding (capture)
+            step = Step(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32), cu_seqlens=np.zeros(1, np.int32),
+                        slots=np.zeros(0, np.int32), block_tables=np.zeros((0, W), np.int32),
+                        seq_lens=np.zeros(0, np.int32), logits_rows=np.zeros(0, np.int32),
+                        spec_rows=np.zeros(0, np.int32))
         B = step.num_seqs
-        self._check_decode(step)
-        P = self.bucket_for(B) if bucket is None else bucket
-        W = self.max_blocks_per_seq
         tables = np.full((P, W), self.dummy_block, np.int32)
         w = step.block_tables.shape[1]
         if w > W:  # wider than the graphs: fine only if the extra columns are unused
@@ -118,36 +154,42 @@ class DecodeGraphs:
                 raise ValueError(f"context {int(step.seq_lens.max())} needs {need} blocks > max_blocks_per_seq {W}")
             w = W
         tables[:B, :w] = step.block_tables[:, :w]
-        ar = np.arange(P + 1, dtype=np.int32)
-        tokens = np.zeros(P, np.int32)
-        tokens[:B] = step.tokens
-        positions = np.zeros(P, np.int32)
-        positions[:B] = step.positions
+        tokens = np.zeros(P * n, np.int32)
+        tokens[:B * n] = step.tokens
+        positions = np.tile(np.arange(n, dtype=np.int32), P)  # padded rows: positions 0..k of the dummy page
+        positions[:B * n] = step.positions
         slots = np.full(P, self.dummy_slot, np.int32)
         slots[:B] = step.slots
-        seq_lens = np.ones(P, np.int32)
+        seq_lens = np.full(P, n, np.int32)
         seq_lens[:B] = step.seq_lens
-        return Step(tokens=tokens, positions=positions, cu_seqlens=ar, slots=slots, block_tables=tables,
-                    seq_lens=seq_lens, logits_rows=ar[:P].copy(), feed=step.feed)
+        spec_rows = None
+        if k:
+            spec_rows = np.full(P, self.dummy_spec_row, np.int32)
+            spec_rows[:B] = step.spec_rows
+        return Step(tokens=tokens, positions=positions, cu_seqlens=np.arange(P + 1, dtype=np.int32) * n, slots=slots,
+                    block_tables=tables, seq_lens=seq_lens, logits_rows=np.arange(P * n, dtype=np.int32),
+                    feed=step.feed, spec_rows=spec_rows)
 
-    def _check_decode(self, step: Step) -> None:
+    def _check(self, step: Step) -> int:
+        """Validates a step for replay; returns its kind (graph_kind)."""
         B = step.num_seqs
         if B < 1 or B > self.max_num_seqs:
             raise ValueError(f"decode batch of {B} sequences: need 1..{self.max_num_seqs}")
-        ar = np.arange(B + 1)
-        if len(step.tokens) != B or not np.array_equal(step.cu_seqlens, ar):
-            raise ValueError("DecodeGraphs runs pure decode steps only (one new token per sequence)")
-        if not np.array_equal(step.logits_rows, ar[:B]):
-            raise ValueError("DecodeGraphs needs every sequence sampled (logits_rows == arange(B))")
-        if not np.array_equal(step.seq_lens, step.positions + 1):
+        k = self.kind(step)
+        if k is None:
+            raise ValueError("DecodeGraphs runs pure decode steps (one new token per sequence, every one sampled)"
+                             f" and uniform verifies of {self.verify_k} drafts only")
+        n = 1 + k
+        if not np.array_equal(step.seq_lens, step.positions[n - 1::n] + 1):
             raise ValueError("decode step: seq_lens must be positions + 1")
         if int(step.seq_lens.max()) > self.max_ctx:
             raise ValueError(f"context {int(step.seq_lens.max())} > max_ctx {self.max_ctx} of the graphs")
         if (step.slots == self.dummy_slot).any():
             raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
-        blk = step.block_tables[np.arange(B), step.positions // self.block_size]
+        blk = step.block_tables[np.repeat(np.arange(B), n), step.positions // self.block_size]
         if (blk == self.dummy_block).any():
             raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
+        return k
 
     # ---- capture ---------------------------------------------------------------------------
     def _meta(self, pstep: Step, cache, out=None):
@@ -156,20 +198,24 @@ class DecodeGraphs:
             meta.step = dataclasses.replace(pstep, logits_rows=meta.logits_rows)
         return meta
 
-    def capture(self, bucket: int) -> _Captured:
-        if bucket in self.graphs:
-            return self.graphs[bucket]
+    def capture(self, bucket: int, k: int = 0) -> _Captured:
+        if (bucket, k) in self.graphs:
+            return self.graphs[bucket, k]
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket ({self.buckets})")
-        W = self.max_blocks_per_seq
-        # an all-padding step: every row decodes into the dummy slot / page
-        ar = np.arange(bucket + 1, dtype=np.int32)
-        dummy = Step(tokens=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32), cu_seqlens=ar,
-                     slots=np.full(bucket, self.dummy_slot, np.int32),
-                     block_tables=np.full((bucket, W), self.dummy_block, np.int32),
-                     seq_lens=np.ones(bucket, np.int32), logits_rows=ar[:bucket].copy())
-        buf = cupy.zeros(self.ops.meta_size(bucket, bucket, bucket, W), cupy.int32)
+        if k not in (0, self.verify_k):
+            raise ValueError(f"graphs of {k} drafts: only 0 and verify_k ({self.verify_k})")
+        W, n = self.max_blocks_per_seq, 1 + k
+        dummy = self._padded(None, bucket, k)  # an all-padding step: every row decodes into the dummy slot / page
+        buf = cupy.zeros(self.ops.meta_size(bucket * n, bucket, bucket * n, W), cupy.int32)
         meta = self._meta(dummy, self.cache, out=buf)
+        tiles = None
+        if k:  # the prefill attention's work list: fixed by the bucket and k, uploaded once to a static array
+            G = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
+            work, n_dec = prefill_tiles(dummy, G)
+            with cupy.cuda.using_allocator(self.pool.malloc):
+                tiles = cupy.asarray(work)
+            meta.prefill_tiles = (G, tiles, n_dec)
         self.model.forward_meta(meta, self.cache)  # warm-up: kernels, GEMM plans, workspace, RoPE tables
         cupy.cuda.get_current_stream().synchronize()
         s = self.stream
@@ -189,30 +235,31 @@ class DecodeGraphs:
         graph.upload(cupy.cuda.get_current_stream())
         mem = cupy.cuda.alloc_pinned_memory(buf.nbytes)
         staging = np.frombuffer(mem, np.int32, buf.size)
-        g = self.graphs[bucket] = _Captured(bucket, buf, graph, logits, staging,
-                                            cupy.cuda.Event(disable_timing=True), mem)
+        g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, staging,
+                                               cupy.cuda.Event(disable_timing=True), mem, tiles)
         return g
 
     def capture_all(self) -> None:
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool memory
-            self.capture(b)
+        for k in sorted({0, self.verify_k}, reverse=True):
+            for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool memory
+                self.capture(b, k)
 
     # ---- replay ------------------------------------------------------------------------------
     def run(self, step: Step) -> cupy.ndarray:
-        """Logits [B, vocab] f32 of a pure decode step, replayed from the bucket's graph (captured on
-        first use). A view into the graph's static output, valid until the next run()."""
+        """Logits [T, vocab] f32 of a pure decode step or a uniform verify, replayed from the bucket's graph
+        (captured on first use). A view into the graph's static output, valid until the next run()."""
         pstep = self.pad(step)  # validates the step first
-        g = self.capture(pstep.num_seqs)
+        g = self.capture(pstep.num_seqs, self.kind(step))
         stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
         self.ops.prepare(pstep, self.cache, out=g.buf, max_ctx=self.max_ctx, staging=g.staging)  # async H2D
         g.copied.record(stream)
         g.graph.launch(stream)
-        return g.logits[:step.num_seqs]
+        return g.logits[:len(step.tokens)]
 
     def eager(self, step: Step, cache=None) -> cupy.ndarray:
         """What run() computes, executed eagerly (padded, same max_ctx) on `cache` (default: the bound
         one): the bit-exact reference for a replay. Returns fresh logits [B, vocab]."""
         cache = self.cache if cache is None else cache
         pstep = self.pad(step)
-        return self.model.forward_meta(self._meta(pstep, cache), cache)[:step.num_seqs]
+        return self.model.forward_meta(self._meta(pstep, cache), cache)[:len(step.tokens)]
