@@ -236,6 +236,26 @@ def test_attention_long_decode_split(be, ref, ctx):
     assert rel(be.to_host(got), want) <= BF16_TOL
 
 
+def test_attention_verify_rows_take_the_decode_kernel(be, ref):
+    """A decode, two verifies (Step.spec_rows: 4 and 16 rows over long contexts) and a prefill: the
+    verifies' rows go to attn_fwd with the decode (each row sees the keys up to its position), the prefill
+    to attn_prefill; all equal the reference."""
+    rng = np.random.default_rng(5)
+    nh, nkv, hd, bs = 16, 4, 256, 16
+    lens, bases = [1, 4, 16, 70], [900, 1200, 3000, 40]
+    nb = sum((b0 + n) // bs + 1 for n, b0 in zip(lens, bases)) + 2
+    step = make_step(rng, lens, bases, nb, bs)
+    step.spec_rows = np.array([-1, 8, 12, -1], np.int32)
+    T = sum(lens)
+    q, gate = rnd(rng, T, nh, hd), rnd(rng, T, nh * hd)
+    kc, vc = rnd(rng, nb, bs, nkv, hd), rnd(rng, nb, bs, nkv, hd)
+    want = ref.attention(q.np, gate.np, kc.np, vc.np, ref.prepare(step, _C()))
+    m = be.prepare(step, Cache([], [], [], [], bs))
+    got = be.attention(q.dev, gate.dev.reshape(T, nh, hd), kc.dev, vc.dev, m)
+    assert m.prefill_tiles[2] == 21  # rows 0..20 on attn_fwd
+    assert rel(be.to_host(got), want) <= BF16_TOL
+
+
 @pytest.mark.parametrize("B,V", [(1, 248320), (7, 248320), (64, 248320), (5, 1001), (3, 8)])
 def test_argmax_finite(be, ref, B, V):
     """Greedy token + finite flag per row: ties resolve to the lowest id (as numpy.argmax), -0.0 ties

@@ -444,10 +444,10 @@ class CudaBackend:
         return q, gate
 
     def attention(self, q, gate, k_cache, v_cache, meta: Meta):
-        """Decode rows: attn_fwd (CUDA cores, split-K over long contexts). A step with a sequence of more
-        than one new token: the leading single-token sequences (decodes come first) still go to attn_fwd,
-        every later sequence to attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the
-        block size allow it."""
+        """Decode rows: attn_fwd (CUDA cores, split-K over long contexts; each row sees the keys up to its own
+        position). A step with a sequence of more than one new token: the leading decodes and verifies (a
+        verify's 1 + k rows are decode-sized queries) still go to attn_fwd, every later sequence to
+        attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it."""
         T, nh, hd = q.shape
         bs, nkv = k_cache.shape[1], k_cache.shape[2]
         G = nh // nkv
@@ -463,7 +463,7 @@ class CudaBackend:
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
         if meta.max_new > 1 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0:
             if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
-                tiles, n_pf_dec = prefill_tiles(meta.step, G)
+                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec)
                 meta.prefill_tiles = (G, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:

@@ -19,8 +19,8 @@ How a step is run
   CudaBackend.prepare(..., out=buffer, max_ctx=self.max_ctx, staging=pinned) refills it with one
   asynchronous H2D copy per step from a pinned host buffer (so run() does not wait for the GPU).
 - The attention split-K decision depends only on the bucket and max_ctx = max_blocks_per_seq *
-  block_size (fixed at capture), never on the step's actual context lengths. A verify's prefill-attention
-  work list depends only on the bucket and K (every sequence has 1 + K tokens): made once, at capture.
+  block_size (fixed at capture), never on the step's actual context lengths. A verify's rows are decode
+  queries there too (each sees the keys up to its own position): no host-made work list.
 - run() enqueues the metadata copy and the graph launch on CuPy's current stream (the same stream as
   eager work, so ordering with prefills and sampling needs no events). Replays must be serialized
   (one stream, one thread): all graphs share one private memory pool for their intermediates.
@@ -47,7 +47,6 @@ import cupy
 import numpy as np
 
 from ..step import Step
-from .prefill_tiles import prefill_tiles
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -77,7 +76,6 @@ class _Captured:
     staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
-    tiles: object = None   # a verify's static prefill-attention work list (its address is in the graph)
 
 
 class DecodeGraphs:
@@ -209,13 +207,6 @@ class DecodeGraphs:
         dummy = self._padded(None, bucket, k)  # an all-padding step: every row decodes into the dummy slot / page
         buf = cupy.zeros(self.ops.meta_size(bucket * n, bucket, bucket * n, W), cupy.int32)
         meta = self._meta(dummy, self.cache, out=buf)
-        tiles = None
-        if k:  # the prefill attention's work list: fixed by the bucket and k, uploaded once to a static array
-            G = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
-            work, n_dec = prefill_tiles(dummy, G)
-            with cupy.cuda.using_allocator(self.pool.malloc):
-                tiles = cupy.asarray(work)
-            meta.prefill_tiles = (G, tiles, n_dec)
         self.model.forward_meta(meta, self.cache)  # warm-up: kernels, GEMM plans, workspace, RoPE tables
         cupy.cuda.get_current_stream().synchronize()
         s = self.stream
@@ -236,7 +227,7 @@ class DecodeGraphs:
         mem = cupy.cuda.alloc_pinned_memory(buf.nbytes)
         staging = np.frombuffer(mem, np.int32, buf.size)
         g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, staging,
-                                               cupy.cuda.Event(disable_timing=True), mem, tiles)
+                                               cupy.cuda.Event(disable_timing=True), mem)
         return g
 
     def capture_all(self) -> None:

@@ -15,18 +15,20 @@ def leading_singles(lens: np.ndarray) -> int:
     return int(np.argmax(other)) if other.any() else len(lens)
 
 
-def prefill_tiles(step: Step, G: int) -> tuple[np.ndarray | None, int]:
-    """(tiles, n_dec): n_dec leading single-token sequences (their tokens are rows 0..n_dec-1) stay on
-    attn_fwd; every later sequence with tokens is cut into tiles of PF_ROWS flattened (token, q head of
-    the kv group) rows, listed as (seq, first row, first token, n tokens), most keys first (the longest
-    tiles start first). tiles is None (and n_dec = T) when no sequence has more than one new token."""
+def prefill_tiles(step: Step, G: int, n_lead: int | None = None) -> tuple[np.ndarray | None, int]:
+    """(tiles, n_dec): the tokens of the n_lead leading sequences (default: the single-token ones; the
+    CUDA backend passes its decodes and verifies, whose few tokens each are decode-sized queries), rows
+    0..n_dec-1, stay on attn_fwd; every later sequence with tokens is cut into tiles of PF_ROWS flattened
+    (token, q head of the kv group) rows, listed as (seq, first row, first token, n tokens), most keys
+    first (the longest tiles start first). tiles is None (and n_dec = T) when no later sequence has tokens."""
     cu = np.asarray(step.cu_seqlens, np.int64)
     lens = np.diff(cu)
-    if lens.size == 0 or lens.max() <= 1:
-        return None, int(cu[-1])
-    n_dec = leading_singles(lens)
-    seqs = np.arange(n_dec, lens.size)
+    n_lead = leading_singles(lens) if n_lead is None else n_lead
+    seqs = np.arange(n_lead, lens.size)
     seqs = seqs[lens[seqs] > 0]
+    if not seqs.size:
+        return None, int(cu[-1])
+    n_dec = n_lead
     nt = -(-lens[seqs] * G // PF_ROWS)
     b = np.repeat(seqs, nt)
     r0 = (np.arange(int(nt.sum())) - np.repeat(np.cumsum(nt) - nt, nt)) * PF_ROWS
