@@ -1,21 +1,19 @@
 """What a benchmark's JSON records about its run: the code's commit, the date, the command line and the device."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 
-def run_meta(commit: str | None = None, ops=None) -> dict:
+def run_meta(commit: str | None = None, command: list[str] | None = None) -> dict:
     """commit: overrides `git rev-parse HEAD` (a device machine's copy of the tree may carry a stale .git).
-    ops: the backend whose device is named (None: not recorded)."""
+    command: the command line to record (default: the process's)."""
     head = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                     cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    meta = {"commit": head, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
-    if ops is not None:
-        meta["device"] = device_name(ops)
-    return meta
+    return {"commit": head, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(command or sys.argv)}
 
 
 def device_name(ops) -> str:
