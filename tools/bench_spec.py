@@ -120,6 +120,7 @@ class AcceptTally:
     def __init__(self, runner):
         self.reset()
         collect = runner.collect
+        self.close = lambda: setattr(runner, "collect", collect)  # the runner's own collect back
 
         def counting(sampling):
             out = collect(sampling)
@@ -145,39 +146,43 @@ def e2e_levels(eng, levels: dict[int, list[list[int]]], output_len: int, label: 
     tokens. drafter_for(c): the drafter swapped in for level c (None: the engine's own). recorded: the
     plain run's tokens by prompt, to count the requests that diverged from it (empty: not counted)."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    tally = AcceptTally(eng.runner)
     first = next(iter(levels))
     if drafter_for is not None:
         eng.drafter = drafter_for(first)
     asyncio.run(run_level(eng, levels[first][:1], params, 1))  # warm-up (the verify path too, if any)
-    rows, outputs = [], {}
-    for c, prompts in levels.items():
-        if drafter_for is not None:
-            eng.drafter = drafter_for(c)  # a fresh oracle: its draws do not depend on the levels before
-        tally.reset()
-        s0 = eng.stats()
-        res, wall = asyncio.run(run_level(eng, prompts, params, c))
-        s1 = eng.stats()
-        m = calculate_metrics([r for r, _ in res], wall)
-        drafts, drafted, accepted = (getattr(s1, f) - getattr(s0, f) for f in (
-            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
-        outputs.update((tuple(p), toks) for p, (_, toks) in zip(prompts, res))
-        known = [p for p in prompts if tuple(p) in recorded]
-        per_position = tally.per_position()
-        rows.append({"label": label, "k": k, "concurrency": c, "input_len": len(prompts[0]), "output_len": output_len,
-                     "requests": len(res), "failed": m["failed"],
-                     **{key: m[key] for key in METRICS},
-                     "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-                     "acceptance": accepted / drafted if drafted else None,
-                     "per_position_acceptance": per_position,
-                     "per_position_reached": tally.reached[:len(per_position)].tolist(),
-                     "diverged": sum(outputs[tuple(p)] != recorded[tuple(p)] for p in known) if known else None})
-        r = rows[-1]
-        print(f"(b/c) {label} K={k} c={c}: TPOT {r['median_tpot_ms']:.2f} ms (mean {r['mean_tpot_ms']:.2f}), "
-              f"ITL {r['median_itl_ms']:.2f} ms, {r['output_throughput']:.1f} tok/s, acceptance "
-              f"{_fmt(r['acceptance'])} {_fmt_vec(r['per_position_acceptance'])}, diverged {r['diverged']}",
-              flush=True)
+    tally = AcceptTally(eng.runner)
+    try:
+        rows, outputs = [], {}
+        for c, prompts in levels.items():
+            if drafter_for is not None:
+                eng.drafter = drafter_for(c)  # a fresh oracle: its draws do not depend on the levels before
+            tally.reset()
+            s0 = eng.stats()
+            res, wall = asyncio.run(run_level(eng, prompts, params, c))
+            s1 = eng.stats()
+            outputs.update((tuple(p), toks) for p, (_, toks) in zip(prompts, res))
+            known = [tuple(p) for p in prompts if tuple(p) in recorded]
+            rows.append(_e2e_row(label, k, c, prompts, output_len, res, wall, s0, s1, tally,
+                                 sum(outputs[p] != recorded[p] for p in known) if known else None))
+    finally:
+        tally.close()
     return rows, outputs
+
+
+def _e2e_row(label, k, c, prompts, output_len, res, wall, s0, s1, tally, diverged) -> dict:
+    m = calculate_metrics([r for r, _ in res], wall)
+    drafts, drafted, accepted = (getattr(s1, f) - getattr(s0, f) for f in (
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+    per_position = tally.per_position()
+    r = {"label": label, "k": k, "concurrency": c, "input_len": len(prompts[0]), "output_len": output_len,
+         "requests": len(res), "failed": m["failed"], **{key: m[key] for key in METRICS},
+         "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+         "acceptance": accepted / drafted if drafted else None, "per_position_acceptance": per_position,
+         "per_position_reached": tally.reached[:len(per_position)].tolist(), "diverged": diverged}
+    print(f"(b/c) {label} K={k} c={c}: TPOT {r['median_tpot_ms']:.2f} ms (mean {r['mean_tpot_ms']:.2f}), "
+          f"ITL {r['median_itl_ms']:.2f} ms, {r['output_throughput']:.1f} tok/s, acceptance "
+          f"{_fmt(r['acceptance'])} {_fmt_vec(per_position)}, diverged {diverged}", flush=True)
+    return r
 
 
 # ---- (d) projection and the target ----------------------------------------------------------------------
