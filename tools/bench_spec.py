@@ -339,6 +339,8 @@ def main(argv=None) -> dict:
 
 
 def measure(a) -> dict:
+    """The plain run first (its tokens are the oracles' recordings), then one engine per K serving both (a)
+    and the oracles of (b), then one per --speculative-config; each released before the next starts."""
     sections = set(a.sections.split(","))
     verify_ks, batches, levels_c = _ints(a.verify_ks) if "a" in sections else [], _ints(a.batches), _ints(a.concurrency)
     oracle_ks = _ints(a.k) if "b" in sections else []
