@@ -1,9 +1,9 @@
 """Decode step time, eager forward vs CUDA-graph replay (engine/gpu/decode_graph.py), on the 4b shapes.
 
 Sequences hold `--ctx` tokens of context (prefilled eagerly; the values do not matter for speed) and
-the same decode step (position ctx) is run repeatedly at each batch size: wall time per step over
-`--steps` back-to-back steps with one synchronize at the end (so it is max(host launch time, GPU time),
-what a serving loop sees). Prints a table and writes JSON (to $OUT/bench_decode.json when OUT is set).
+the same decode step (position ctx) is run repeatedly at each batch size: time per step over
+`--steps` back-to-back steps, between device events around them (tools/step_timer.py: max(host launch
+time, GPU time), what a serving loop sees). Prints a table and writes JSON (to $OUT/bench_decode.json when OUT is set).
 
 Weights: by default random bf16 drawn on the GPU for the 4b preset's config (the speed of a decode step
 does not depend on the values, and it skips writing and reading an 8 GB checkpoint); --make-model DIR
@@ -34,6 +34,8 @@ from engine.gpu.decode_graph import DecodeGraphs  # noqa: E402
 from engine.model import Qwen35Model  # noqa: E402
 from engine.step import Step  # noqa: E402
 from engine.weights import expected_shapes, load_weights  # noqa: E402
+from tools.run_meta import device_name  # noqa: E402
+from tools.step_timer import time_per_call  # noqa: E402
 
 BS = 16
 
@@ -58,17 +60,6 @@ def random_model(preset: str, batch_invariant: bool = False) -> Qwen35Model:
     w = {k: np.broadcast_to(np.zeros((), np.float32 if f32(k) else np.uint16), s)
          for k, s in expected_shapes(cfg).items()}
     return Qwen35Model(cfg, w, RandomWeightBackend(batch_invariant=batch_invariant))
-
-
-def timed(fn, steps: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    cupy.cuda.Device().synchronize()
-    return (time.perf_counter() - t0) / steps
 
 
 def main(argv=None) -> None:
@@ -124,12 +115,12 @@ def main(argv=None) -> None:
           f"{'graph tok/s':>11}", flush=True)
     for B in batches:
         st = Step.build([([int(rng.integers(0, 248000))], a.ctx, slots[i], blocks[i]) for i in range(B)])
-        eager = timed(lambda: model.forward(st, cache), a.steps)
+        eager = time_per_call(lambda: model.forward(st, cache), model.ops, a.steps)
         t = time.perf_counter()
         graphs.capture(graphs.bucket_for(B))
         cupy.cuda.Device().synchronize()
         t_cap = time.perf_counter() - t
-        graph = timed(lambda: graphs.run(st), a.steps)
+        graph = time_per_call(lambda: graphs.run(st), model.ops, a.steps)
         ok = bool(np.isfinite(cupy.asnumpy(graphs.run(st))).all())
         r = dict(batch=B, bucket=graphs.bucket_for(B), eager_ms=eager * 1e3, graph_ms=graph * 1e3,
                  speedup=eager / graph, capture_s=t_cap, graph_tok_s=B / graph, finite_logits=ok)
@@ -139,9 +130,8 @@ def main(argv=None) -> None:
 
     out = a.json or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT")
                      else "bench_decode.json")
-    dev = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-    dev = dev.decode() if isinstance(dev, bytes) else dev
-    Path(out).write_text(json.dumps(dict(preset=a.preset, weights=source, device=dev, ctx=a.ctx, steps=a.steps,
+    Path(out).write_text(json.dumps(dict(preset=a.preset, weights=source, device=device_name(model.ops), ctx=a.ctx,
+                                         steps=a.steps,
                                          max_model_len=width * BS,
                                          batch_invariant=a.batch_invariant,
                                          load_s=t_load, prefill_s=t_prefill, rows=rows), indent=1))

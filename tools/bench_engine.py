@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import tempfile
@@ -28,25 +29,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineArgs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from tools.bench_serving import RequestResult  # noqa: E402
 
 
-async def _consume(stream, st: float, out: list) -> None:
-    ttft, last, n = None, st, 0
+async def _consume(stream, st: float, prompt_len: int) -> tuple[RequestResult, list[int]]:
+    """One request's events recorded as bench_serving records a streamed request (its metric code then
+    applies: vLLM's TTFT, ITL between events, latency), and its token ids."""
+    res, tokens, last = RequestResult(prompt_len=prompt_len, start_time=st), [], st
     async for o in stream:
         if o.new_token_ids:
             now = time.perf_counter()
-            ttft = now - st if ttft is None else ttft
-            last, n = now, n + len(o.new_token_ids)
-    out.append((ttft or 0.0, last - st, n))
+            if tokens:
+                res.itl.append(now - last)
+            else:
+                res.ttft = now - st
+            last, tokens = now, tokens + o.new_token_ids
+    res.success, res.output_tokens, res.latency = bool(tokens), len(tokens), last - st
+    return res, tokens
 
 
-async def _level(eng, prompts, params, concurrency, one_wave=False):
-    sem, res = asyncio.Semaphore(concurrency), []
+async def run_level(eng, prompts, params, concurrency, one_wave=False):
+    """Every prompt, at most `concurrency` in flight (one_wave: all submitted at once). Returns, in prompt
+    order, each request's (RequestResult, token ids), and the wall time."""
+    sem = asyncio.Semaphore(concurrency)
 
     async def guarded(p):
         async with sem:
             st = time.perf_counter()  # TTFT and E2EL include the request's validation, as before
-            await _consume(eng.add_request(p, params), st, res)
+            return await _consume(eng.add_request(p, params), st, len(p))
 
     t0 = time.perf_counter()
     if one_wave:
@@ -58,10 +68,24 @@ async def _level(eng, prompts, params, concurrency, one_wave=False):
             streams = [eng.add_request(p, params) for p in prompts]
         finally:
             sys.setswitchinterval(old)
-        await asyncio.gather(*[_consume(s, t0, res) for s in streams])
+        res = await asyncio.gather(*[_consume(s, t0, len(p)) for s, p in zip(streams, prompts)])
     else:
-        await asyncio.gather(*[guarded(p) for p in prompts])
-    return res, time.perf_counter() - t0
+        res = await asyncio.gather(*[guarded(p) for p in prompts])
+    return list(res), time.perf_counter() - t0
+
+
+def run_engine(model_dir, work, **engine_args):
+    """work(engine)'s result, on an engine shut down and released afterwards: the next engine of the
+    process plans its memory from what the device has free."""
+    eng = Engine(model_dir, **engine_args)
+    try:
+        return work(eng)
+    finally:
+        eng.shutdown()
+        del eng
+        gc.collect()
+        if "cupy" in sys.modules:
+            sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
 
 
 def main(argv=None) -> list[dict]:
@@ -95,21 +119,22 @@ def main(argv=None) -> list[dict]:
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
-    asyncio.run(_level(eng, [rng.integers(0, 200000, a.input_len).tolist()], params, 1))  # warm-up
+    asyncio.run(run_level(eng, [rng.integers(0, 200000, a.input_len).tolist()], params, 1))  # warm-up
     for c in levels:
         n = a.prompts_per_level or (c if a.one_wave else max(4, 2 * c))
         prompts = [rng.integers(0, 200000, a.input_len).tolist() for _ in range(n)]
         start = time.perf_counter()
-        res, wall = asyncio.run(_level(eng, prompts, params, c, a.one_wave))
+        res, wall = asyncio.run(run_level(eng, prompts, params, c, a.one_wave))
+        res = [r for r, _ in res]
         steps = [json.loads(s) for s in trace.read_text().splitlines()]
         steps = [s for s in steps if s["t"] >= start]
-        ttft = [r[0] for r in res]
-        tpot = [(r[1] - r[0]) / (r[2] - 1) for r in res if r[2] > 1]
+        ttft = [r.ttft for r in res]
+        tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in res if r.output_tokens > 1]
         decode = [s["step_ms"] for s in steps if s["kind"] == "decode" and s["decode_rows"] == c]
         rows.append({"concurrency": c, "requests": n, "window": [start, start + wall],
                      "mean_ttft_ms": 1e3 * float(np.mean(ttft)),
                      "median_tpot_ms": 1e3 * float(np.median(tpot)), "mean_tpot_ms": 1e3 * float(np.mean(tpot)),
-                     "output_tok_s": sum(r[2] for r in res) / wall,
+                     "output_tok_s": sum(r.output_tokens for r in res) / wall,
                      "gpu_busy_frac": sum(s["gpu_ms"] for s in steps) / 1e3 / wall,
                      "p99_tpot_ms": 1e3 * float(np.percentile(tpot, 99)),
                      "prompt_steps": sum(s["kind"] != "decode" for s in steps),

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +34,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineArgs  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from tools.bench_engine import run_engine  # noqa: E402
+from tools.run_meta import run_meta  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -196,33 +195,28 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     z = QUICK if a.quick else Sizes()
     rows = []
+
+    def run(eng, mode, rep):
+        _wave(eng, [[1] * z.cold_in], _params(2), 1)  # warm-up
+        for w in a.only.split(","):
+            for r in WORKLOADS[w](eng, z):
+                rows.append({"mode": mode, "rep": rep, **r})
+                print(f"[{mode}] ({w}) {r['label']}: TTFT {r['mean_ttft_ms']:.1f} ms, "
+                      f"{r['output_tok_s']:.1f} tok/s, cached {r['cached_tokens']}/{r['prompt_tokens']}", flush=True)
+        stats = eng.stats()
+        print(f"[{mode}] snapshots cached {stats.state_snapshots_cached}/{stats.state_snapshots_total}, "
+              f"KV blocks cached {stats.kv_blocks_cached}/{stats.kv_blocks_total}", flush=True)
+
     for rep, mode in enumerate(("off", "on") * a.repeat):
-        eng = Engine(a.model_dir, device=a.device, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                     max_num_batched_tokens=a.max_num_batched_tokens, batch_invariant=a.batch_invariant,
-                     enable_prefix_caching=mode == "on", num_state_snapshots=a.num_state_snapshots,
-                     trace_steps=f"{a.trace_steps}-{mode}-{rep // 2}.jsonl" if a.trace_steps else None)
-        try:
-            _wave(eng, [[1] * z.cold_in], _params(2), 1)  # warm-up
-            for w in a.only.split(","):
-                for r in WORKLOADS[w](eng, z):
-                    rows.append({"mode": mode, "rep": rep // 2, **r})
-                    print(f"[{mode}] ({w}) {r['label']}: TTFT {r['mean_ttft_ms']:.1f} ms, "
-                          f"{r['output_tok_s']:.1f} tok/s, cached {r['cached_tokens']}/{r['prompt_tokens']}", flush=True)
-            stats = eng.stats()
-            print(f"[{mode}] snapshots cached {stats.state_snapshots_cached}/{stats.state_snapshots_total}, "
-                  f"KV blocks cached {stats.kv_blocks_cached}/{stats.kv_blocks_total}", flush=True)
-        finally:
-            eng.shutdown()
-            del eng
-            gc.collect()
-            if "cupy" in sys.modules:  # the second engine plans its memory from what the device has free
-                sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
+        run_engine(a.model_dir, lambda eng: run(eng, mode, rep // 2), device=a.device, max_num_seqs=a.max_num_seqs,
+                   max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
+                   batch_invariant=a.batch_invariant, enable_prefix_caching=mode == "on",
+                   num_state_snapshots=a.num_state_snapshots,
+                   trace_steps=f"{a.trace_steps}-{mode}-{rep // 2}.jsonl" if a.trace_steps else None)
     print(_table(rows))
     if a.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-        Path(a.json).write_text(json.dumps({"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                            "args": vars(a), "sizes": asdict(z), "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({**run_meta(), "args": vars(a), "sizes": asdict(z), "rows": rows},
+                                           indent=1))
     return rows
 
 

@@ -1,0 +1,28 @@
+"""Oracle drafters for benchmarking speculative decoding (tools/bench_spec.py): they propose the target's
+own greedy continuation, recorded from a plain run of the same prompts, so the acceptance rate is set by
+construction rather than by a draft model. Same `propose(reqs, rooms)` as engine/drafter.py's drafters."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class RecordedOracle:
+    """Each draft is the recorded token with probability p, independently per position (seeded), else
+    (t + 1) % vocab, which the target never emits there; p = 1 is the accept-all oracle. A request whose
+    prompt was not recorded, or that has run past its recording, gets no drafts (it decodes plainly)."""
+
+    def __init__(self, recorded: dict[tuple, list[int]], p: float, vocab: int, seed: int = 0):
+        self.recorded, self.p, self.vocab = recorded, p, vocab
+        self.rng = np.random.default_rng(seed)
+        self._by_id: dict[str, list[int]] = {}  # request id -> its recording: a prompt is hashed once
+
+    def propose(self, reqs, rooms: list[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, rooms):
+            rec = self._by_id.get(req.request_id)
+            if rec is None:
+                rec = self._by_id[req.request_id] = self.recorded.get(tuple(req.prompt_ids), [])
+            want = rec[len(req.output_ids):len(req.output_ids) + k]
+            right = self.rng.random(len(want)) < self.p
+            out.append([t if ok else (t + 1) % self.vocab for t, ok in zip(want, right)])
+        return out
