@@ -13,8 +13,9 @@
   (c) The drafters of --speculative-config (the JSON goes to the engine as is), on the same workload.
   (d) Projected TPOT at per-position acceptance vectors (--accept): tau = 1 + sum_j prod_{i<=j} p_i tokens
       per verify, projected TPOT = verify step time (a) / tau; a vector shorter than K holds its last
-      value. It assumes every step is a verify: today's engine also spends a step re-computing the
-      accepted tokens after each rejection (engine.py rewinds), which (b) measures and (d) does not.
+      value. It assumes every step is a verify of K drafts, as (b)'s oracles make them; (b) measures what
+      (d) leaves out: the host's work between the steps (speculation steps synchronously) and the rollback
+      copies after rejections.
 
 Acceptance in (b) and (c): accepted / drafted from the engine's spec_decode counters, and per draft
 position the share of the verifies reaching it (every draft before it accepted) that accepted it, read
@@ -75,6 +76,8 @@ def _held_requests(eng, n: int, ctx: int, k: int, rng) -> list[Request]:
     for i in range(n):
         req = Request(f"step-{i}", rng.integers(0, TOKENS, ctx).tolist(), SamplingParams(), 1 + k, frozenset(), None)
         req.slot, req.block_ids = eng.slots.allocate(), eng.kv.allocate(eng.kv.blocks_for(req.lifetime_tokens))
+        req.spec_row = eng.scheduler.spec_rows.allocate()
+        assert req.spec_row is not None, "the memory plan left no rollback rows for this batch"
         reqs.append(req)
     per = max(1, eng.args.max_num_batched_tokens // ctx)  # prompts per prefill, within the step budget
     for i in range(0, n, per):
@@ -86,7 +89,7 @@ def _held_requests(eng, n: int, ctx: int, k: int, rng) -> list[Request]:
 
 def verify_step_times(eng, k: int, batches: list[int], ctx: int, calls: int) -> list[dict]:
     """Per batch size: the plain decode step and the verify of k drafts, as the engine launches them
-    (runner.forward, which also copies each verifying slot's state to its scratch row)."""
+    (runner.forward: the verify also writes its rollback rows)."""
     rng = np.random.default_rng(k)
     runner, ops = eng.runner, eng.runner.model.ops
     graphs = sorted(name for name, v in vars(runner).items() if "graph" in name and v is not None)
@@ -109,6 +112,7 @@ def verify_step_times(eng, k: int, batches: list[int], ctx: int, calls: int) -> 
         for req in reqs:
             eng.kv.free(req.block_ids)
             eng.slots.free(req.slot)
+            eng.scheduler.spec_rows.free(req.spec_row)
     return rows
 
 
