@@ -480,7 +480,12 @@ class CudaBackend:
             chunk = INVARIANT_SPLIT_KEYS
             nsplit = -(-meta.max_ctx // chunk)
         else:  # as many splits as fill the GPU twice; each token's keys spread evenly over them (chunk 0)
-            base, target, nsplit, chunk = n_dec * nkv, 2 * self.num_sms, 1, 0
+            # counted per sequence when the rows are the decodes' and verifies': a verify's rows then split as
+            # the decode of the same position in a step of as many sequences would (the same sums: greedy
+            # speculation follows plain decoding's numerics there)
+            lead = int(meta.step.cu_seqlens[meta.n_rec])
+            base = (meta.n_rec if n_dec == lead else n_dec) * nkv
+            target, nsplit, chunk = 2 * self.num_sms, 1, 0
             if base < target:
                 nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // ATTN_MIN_SPLIT_KEYS)))
         if nsplit > 1:
