@@ -187,7 +187,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # vLLM's JSON (SpeculativeConfig.parse); None: off
 
 
-SPEC_METHODS = ("ngram",)  # the drafters built so far (engine/drafter.py)
+SPEC_METHODS = ("ngram", "mtp")  # the drafters built so far (engine/drafter.py, engine/mtp.py)
 MAX_SPEC_TOKENS = 15       # a verify is at most 16 tokens per sequence (DFlash's block)
 
 

@@ -12,7 +12,8 @@ cached prefix.
 
 With speculative decoding each slot gets a scratch row too (after the snapshots): the state from before
 its verify, restored when a draft is rejected (runner.py); and the step reserve counts a verify's
-logits rows, 1 + k per sequence.
+logits rows, 1 + k per sequence. The MTP drafter's KV is one more attention layer of every block
+(Qwen35Model.draft_kv_layers): the blocks are that much bigger, so fewer fit.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class CachePlan:
     block_bytes: int
     num_snapshots: int = 0    # state rows after the slots (prefix caching), each slot_bytes
     num_scratch: int = 0      # state rows after the snapshots (speculative decoding: one per sequence)
+    draft_kv_layers: int = 0  # attention layers of each KV block that are a drafter's (MTP: 1), in block_bytes
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)
@@ -39,6 +41,8 @@ class CachePlan:
         if self.num_scratch:
             caching += (f"; speculative decoding: {self.num_scratch} scratch state rows = "
                         f"{self.num_scratch * self.slot_bytes * gib:.2f} GiB")
+        if self.draft_kv_layers:
+            caching += f"; each KV block holds {self.draft_kv_layers} drafter attention layer(s) too"
         return (f"memory plan ({backend_name}): weights {weight_bytes * gib:.2f} GiB; step activations for "
                 f"{a.max_num_batched_tokens} tokens; {self.num_slots} state slots x {self.slot_bytes * mib:.1f} MiB "
                 f"= {self.num_slots * self.slot_bytes * gib:.2f} GiB; {self.num_blocks} KV blocks x {a.block_size} "
@@ -78,4 +82,5 @@ def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -
         num_blocks = (budget - (num_slots + num_snapshots + num_scratch) * slot_bytes) // block_bytes
         if not a.enable_prefix_caching:
             num_blocks = min(num_blocks, useful)
-    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots), num_scratch)
+    return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots), num_scratch,
+                     model.draft_kv_layers)

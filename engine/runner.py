@@ -21,6 +21,7 @@ import numpy as np
 
 from . import verify
 from .arrays import HostCopy, array_module, as_f32, take_rows
+from .drafter import StepRecord
 from .kv_blocks import DUMMY_BLOCK
 from .prefix_cache import Plan
 from .request import Request, Status
@@ -51,6 +52,7 @@ class ForwardInFlight:
     marks: tuple = ()        # (start, end) device marks when timing
     plan: Plan | None = None  # prefix caching: its state copies, published once it is complete
     drafts: dict = field(default_factory=dict)  # verifying request -> its drafts (1 + k logits rows)
+    record: StepRecord | None = None  # with a capture: what the drafter observes once the step is collected
 
 
 @dataclass
@@ -76,6 +78,7 @@ class ModelRunner:
         self.model, self.cache, self.sampler, self.graphs, self.scratch = model, cache, sampler, graphs, scratch
         self.ops = model.ops
         self.timing = False  # mark device time around each forward and sampling (the step trace)
+        self.capture = None  # a model.Capture: every forward keeps it for the drafter (ForwardInFlight.record)
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
         self.logits_hook = None
 
@@ -139,14 +142,20 @@ class ModelRunner:
         if drafts:  # a verify may be rolled back: keep each verifying slot's state from before it
             slots = [req.slot for req in drafts]
             self.ops.copy_slots(self.cache, slots, [self.scratch + s - 1 for s in slots])
-        if self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
+        record = None
+        if self.capture is not None:  # eager: the decode graphs do not capture activations (yet)
+            logits, captured = self.model.forward(step, self.cache, self.capture)
+            record = StepRecord(captured, [(req, req.num_computed, int(step.cu_seqlens[i]), n)
+                                           for i, (req, n) in enumerate(batch)])
+        elif self.graphs is not None and len(step.tokens) == len(batch) == len(step.logits_rows):
             logits = self.graphs.run(step)  # every sequence decodes one token
         else:
             logits = self.model.forward(step, self.cache)
         if at_end:
             self.ops.copy_slots(self.cache, [a for a, _ in at_end], [b for _, b in at_end])
         marks = (start, self.ops.mark()) if self.timing else ()
-        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts)
+        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts,
+                               record)
 
     def restore(self, req: Request) -> None:
         """req's verify rejected a draft: its slot gets back the state from before the verify (in stream
