@@ -21,8 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import bf16_to_f32
+from .arrays import as_f32
 from .config import ConfigError, ModelConfig
+from .drafter import Drafter, StepRecord
+from .model import Capture
 from .request import Request, Status
 from .step import Step
 from .weights import WeightError, read_safetensors
@@ -153,16 +155,21 @@ def load_dflash(model_dir: str | Path, target: ModelConfig) -> tuple[DFlashConfi
 
 def _plain(arr: np.ndarray) -> np.ndarray:
     """A plain RMSNorm weight w as the (1 + w) norm ops take it: w - 1, in f32 (exact for bf16 w)."""
-    return (bf16_to_f32(arr) if arr.dtype == np.uint16 else arr.astype(np.float32)) - np.float32(1.0)
+    return as_f32(arr) - np.float32(1.0)
 
 
-class DFlashDrafter:
+class DFlashDrafter(Drafter):
     """Proposes up to B-1 tokens per request from one block forward; its context grows by what the
     target commits (observe). `context[req]` is the context length L of each request it knows."""
 
-    def __init__(self, cfg: DFlashConfig, weights: dict[str, np.ndarray], target, num_blocks: int,
-                 block_size: int, max_num_seqs: int):
-        self.cfg, self.ops, self.target = cfg, target.ops, target
+    def __init__(self, cfg: DFlashConfig, weights: dict[str, np.ndarray], target, num_speculative_tokens: int,
+                 max_num_seqs: int):
+        """target: the Qwen35Model whose taps, embed_tokens and lm_head it uses."""
+        if num_speculative_tokens > cfg.block_size - 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens {num_speculative_tokens} is more than the "
+                             f"DFlash drafter's block of {cfg.block_size} proposes ({cfg.block_size - 1})")
+        self.cfg, self.ops, self.target, self.max_num_seqs = cfg, target.ops, target, max_num_seqs
+        self.capture = Capture(taps=cfg.target_layer_ids)
         up = self.ops.weight
         self.fc, self.hidden_norm, self.norm = (up(weights["fc.weight"]), up(_plain(weights["hidden_norm.weight"])),
                                                 up(_plain(weights["norm.weight"])))
@@ -177,10 +184,32 @@ class DFlashDrafter:
                 "o_proj": up(w("self_attn.o_proj.weight")),
                 "gate_up": up([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
                 "down": up(w("mlp.down_proj.weight"))})
-        self.num_blocks = num_blocks
-        self.scratch_pages = scratch_pages(cfg, block_size)
-        self.cache = self.ops.alloc_cache(cfg, 0, num_blocks + max_num_seqs * self.scratch_pages, block_size)
+        self.cache, self.num_blocks, self.scratch_pages = None, 0, 0  # alloc()
         self.context: dict[Request, int] = {}
+
+    def weight_bytes(self) -> int:
+        arrays = [self.fc, self.hidden_norm, self.norm] + [v for L in self.layers for v in L.values()
+                                                           if hasattr(v, "nbytes")]
+        return sum(a.nbytes for a in arrays)
+
+    def kv_bytes(self, block_size: int) -> tuple[int, int]:
+        """Its KV per pool block in the backend's dtype, and its scratch pages'."""
+        probe = self.ops.alloc_cache(self.cfg, 0, 1, block_size)
+        per_block = sum(a.nbytes for a in probe.k + probe.v)
+        return per_block, per_block * self.max_num_seqs * scratch_pages(self.cfg, block_size)
+
+    def bind(self, cache) -> None:
+        self.alloc(cache.k[0].shape[0], cache.block_size)
+
+    def alloc(self, num_blocks: int, block_size: int) -> None:
+        """Its KV: a page for each of the target pool's blocks (same ids), then the scratch pages."""
+        self.num_blocks, self.scratch_pages = num_blocks, scratch_pages(self.cfg, block_size)
+        self.cache = self.ops.alloc_cache(self.cfg, 0, num_blocks + self.max_num_seqs * self.scratch_pages,
+                                          block_size)
+
+    def observe(self, record: StepRecord) -> None:
+        self.forget_finished()
+        self.append(record.captured["taps"], record.committed())
 
     # ---- context ------------------------------------------------------------------------
     def append(self, taps, spans: list[tuple[Request, int, int, int]]) -> None:
@@ -260,12 +289,4 @@ def scratch_pages(cfg: DFlashConfig, block_size: int) -> int:
     """Pages per draft row for block positions past the request's reservation: the pending position L is
     inside it, so at most B-1 positions, from a page boundary on."""
     return -(-(cfg.block_size - 1) // block_size)
-
-
-def kv_bytes(ops, cfg: DFlashConfig, block_size: int, max_num_seqs: int) -> tuple[int, int]:
-    """(bytes of the drafter's KV per pool block, bytes of its scratch pages) in the backend's dtype, for
-    the memory plan (memory.py)."""
-    probe = ops.alloc_cache(cfg, 0, 1, block_size)
-    per_block = sum(a.nbytes for a in probe.k + probe.v)
-    return per_block, per_block * max_num_seqs * scratch_pages(cfg, block_size)
 

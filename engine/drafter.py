@@ -55,6 +55,11 @@ class Drafter:
         """Bytes of the drafter's own weights (the memory plan's log line)."""
         return 0
 
+    def kv_bytes(self, block_size: int) -> tuple[int, int]:
+        """Bytes of paged KV the drafter allocates itself at bind() (DFlash: dflash.py): per block of the
+        target's pool, and fixed. The memory plan counts them."""
+        return 0, 0
+
     def observe(self, record: StepRecord) -> None:
         """The last collected step (only with a capture)."""
 
@@ -87,11 +92,15 @@ class NgramDrafter(Drafter):
         return []
 
 
-def make_drafter(cfg: SpeculativeConfig, model, weights: dict) -> Drafter:
-    """model: the target; weights: its checkpoint tensors (for "mtp" with the mtp.* head)."""
+def make_drafter(cfg: SpeculativeConfig, model, weights: dict, max_num_seqs: int) -> Drafter:
+    """model: the target; weights: its checkpoint tensors (for "mtp" with the mtp.* head); max_num_seqs: the
+    most requests one propose() drafts for."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "mtp":
         from .mtp import MtpDrafter  # mtp.py builds on this module
         return MtpDrafter(model, weights)
+    if cfg.method == "dflash":
+        from .dflash import DFlashDrafter, load_dflash
+        return DFlashDrafter(*load_dflash(cfg.model, model.cfg), model, cfg.num_speculative_tokens, max_num_seqs)
     raise ValueError(f"no drafter for method {cfg.method!r}")  # SpeculativeConfig.parse refuses it first

@@ -130,10 +130,10 @@ class Engine:
         weights = load_weights(model_dir, cfg, mtp=mtp)
         model = Qwen35Model(cfg, weights, backend, draft_kv_layers=int(mtp))
         # before the memory plan, which measures the free memory the weights leave
-        self.drafter = make_drafter(spec, model, weights) if spec else None  # tests swap in oracle drafters
+        self.drafter = make_drafter(spec, model, weights, a.max_num_seqs) if spec else None  # tests swap in oracle drafters
         del weights  # the model and the drafter hold their own uploads
         t_weights = time.perf_counter()
-        plan = plan_cache(model, a, max_len, spec.num_speculative_tokens if spec else 0)
+        plan = plan_cache(model, a, max_len, spec.num_speculative_tokens if spec else 0, self.drafter)
         self.kv = KVBlockManager(plan.num_blocks, a.block_size)
         self.slots = StateSlotPool(plan.num_slots)
         self.prefix = None

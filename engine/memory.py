@@ -13,7 +13,8 @@ cached prefix.
 With speculative decoding each slot gets a scratch row too (after the snapshots): the state from before
 its verify, restored when a draft is rejected (runner.py); and the step reserve counts a verify's
 logits rows, 1 + k per sequence. The MTP drafter's KV is one more attention layer of every block
-(Qwen35Model.draft_kv_layers): the blocks are that much bigger, so fewer fit.
+(Qwen35Model.draft_kv_layers): the blocks are that much bigger, so fewer fit. The DFlash drafter keeps its
+own paged KV (dflash.py): its bytes per block are added likewise, its fixed scratch pages come off the budget.
 """
 from __future__ import annotations
 
@@ -56,11 +57,13 @@ def unit_bytes(model, block_size: int) -> tuple[int, int]:
     return sum(x.nbytes for x in probe.conv + probe.rec), sum(x.nbytes for x in probe.k + probe.v)
 
 
-def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -> CachePlan:
-    """spec_tokens: speculative decoding's drafts per verify (0: off)."""
+def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0, drafter=None) -> CachePlan:
+    """spec_tokens: speculative decoding's drafts per verify (0: off); drafter: its own KV (Drafter.kv_bytes)."""
     num_slots = a.max_num_seqs + 1
     num_scratch = a.max_num_seqs if spec_tokens else 0
     slot_bytes, block_bytes = unit_bytes(model, a.block_size)
+    draft_block, draft_fixed = drafter.kv_bytes(a.block_size) if drafter is not None else (0, 0)
+    block_bytes += draft_block
     useful = a.max_num_seqs * -(-max_model_len // a.block_size) + 1  # what running sequences can use at once
     need_budget = a.num_kv_blocks is None or (a.enable_prefix_caching and a.num_state_snapshots is None)
     budget = a.kv_cache_memory
@@ -68,6 +71,8 @@ def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -
         # its logits reserve is per sampled row: a verify samples 1 + spec_tokens rows of a sequence
         budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs * (1 + spec_tokens),
                                         a.gpu_memory_utilization)
+    if budget is not None:
+        budget -= draft_fixed
     num_snapshots = 0
     if a.enable_prefix_caching:
         num_snapshots = a.num_state_snapshots

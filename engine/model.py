@@ -90,15 +90,19 @@ class Qwen35Model:
                 full += 1
             x, residual = self.mlp(L, x, residual)
         rows = meta.step.logits_rows
+        out = {}
         if capture is None or not (capture.post_norm or len(self.layers) - 1 in capture.taps):
             h, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)
+        else:  # the final norm over every row
+            h, residual = ops.add_rms_norm(x, residual, self.norm, eps)
+            taps.keep(len(self.layers) - 1, residual)
+            out = {"post_norm": h} if capture.post_norm else {}
+            h = ops.gather_rows(h, rows)
+        if capture is None:
             return ops.linear(h, self.lm_head)
-        h, residual = ops.add_rms_norm(x, residual, self.norm, eps)
-        taps.keep(len(self.layers) - 1, residual)
-        out = {"post_norm": h} if capture.post_norm else {}
         if capture.taps:
             out["taps"] = taps.out
-        return ops.linear(ops.gather_rows(h, rows), self.lm_head), out
+        return ops.linear(h, self.lm_head), out
 
     def mlp(self, L, x, residual):
         """The second half of a decoder layer: residual += x (the token mixer's output), the post-attention

@@ -33,7 +33,9 @@ def target(tiny_dir):
 
 def _drafter(drafter_dir, target, num_blocks=64, max_num_seqs=4):
     cfg, w = load_dflash(drafter_dir, target.cfg)
-    return DFlashDrafter(cfg, w, target, num_blocks, BS, max_num_seqs)
+    d = DFlashDrafter(cfg, w, target, 15, max_num_seqs)
+    d.alloc(num_blocks, BS)
+    return d
 
 
 def _request(rid, n_tokens, blocks, rng):
@@ -218,3 +220,142 @@ def test_loader_rejects_mis_shaped_weights(tiny_dir, tmp_path):
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(WeightError, match=r"fc.weight: expected shape \[128, 256\], found \[128, 384\]"):
         load_dflash(tmp_path / "d", ModelConfig.from_dir(tiny_dir))
+
+
+# ---- in the engine --------------------------------------------------------------------------------
+from engine import SamplingParams  # noqa: E402
+from engine.drafter import Drafter  # noqa: E402
+from test_engine import drive, make, prompt  # noqa: E402
+from test_spec_decode import GPU_NOISE, GREEDY, Oracle, _record, assert_idle, outside_reservation  # noqa: E402
+
+
+class Checked(Drafter):
+    """The engine's DFlash drafter, checked: after every observe() its context covers exactly what the
+    target committed for each request it saw (L); proposals come from it, or (forced) from an Oracle of
+    the plain run while it still drafts (and so checks its context) every step. Requests not in
+    `drafting` get no drafts (they decode plainly beside the speculating ones)."""
+
+    def __init__(self, inner, forced=None, drafting=None):
+        self.inner, self.forced, self.drafting, self.capture = inner, forced, drafting, inner.capture
+        self.checked = 0
+
+    def observe(self, record):
+        self.inner.observe(record)
+        for req, _, _, _ in record.committed():
+            assert self.inner.context[req] == req.num_computed
+            self.checked += 1
+
+    def propose(self, reqs, rooms):
+        rooms = [k if self.drafting is None or tuple(r.prompt_ids) in self.drafting else 0
+                 for r, k in zip(reqs, rooms)]
+        drafts = self.inner.propose(reqs, rooms)
+        return drafts if self.forced is None else [d[:0] + self.forced.propose([r], [k])[0]
+                                                   for r, k, d in zip(reqs, rooms, drafts)]
+
+
+def _dflash_run(target, drafter_dir, prompts, sp, forced=None, drafting=None, k=15, **kw):
+    eng, col = make(target, speculative_config={"method": "dflash", "model": str(drafter_dir),
+                                                "num_speculative_tokens": k}, **kw)
+    bad = outside_reservation(eng)
+    eng.drafter = checked = Checked(eng.drafter, forced, drafting)
+    logits = {}
+    eng.runner.logits_hook = _record(logits)
+    rids = [eng.submit(p, sp, col) for p in prompts]
+    drive(eng, col, rids, max_steps=2000)
+    eng.step()
+    assert bad == [] and checked.checked > 0
+    return [col.tokens(r) for r in rids], eng, logits
+
+
+def _plain_run(target, prompts, sp, **kw):
+    eng, col = make(target, **kw)
+    logits = {}
+    eng.runner.logits_hook = _record(logits)
+    rids = [eng.submit(p, sp, col) for p in prompts]
+    drive(eng, col, rids, max_steps=2000)
+    eng.shutdown()
+    return [col.tokens(r) for r in rids], logits
+
+
+def _assert_same(target, prompts, want, got, la, lb):
+    """Equal tokens (GPU: up to one flip within bf16 noise, as tests/test_spec_decode.py)."""
+    for p, a, b in zip(prompts, want, got):
+        if a != b:
+            assert target[1] == "cuda", (p, a, b)
+            i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            assert np.abs(la[(tuple(p), i)] - lb[(tuple(p), i)]).mean() <= GPU_NOISE
+
+
+PROMPTS = [prompt(1, 20), prompt(2, 37), prompt(3, 5), prompt(4, 16)]  # across KV blocks and the window (40)
+
+
+@pytest.mark.parametrize("forced", [None, "accept-all", "reject-first"])
+def test_greedy_dflash_equals_plain(tiny_dir, drafter_dir, forced):
+    """c1 with the DFlash drafter's own drafts, all-right drafts and all-wrong ones; then a batch where half
+    the requests speculate: tokens equal plain greedy; the context always covers what was committed;
+    nothing leaks."""
+    sp = SamplingParams(max_tokens=24, **GREEDY)
+    want, la = _plain_run(tiny_dir, PROMPTS, sp, max_num_seqs=8, max_num_batched_tokens=64)
+    plain = {tuple(p): t for p, t in zip(PROMPTS, want)}
+    oracle = None if forced is None else Oracle(plain, None if forced == "accept-all" else 0)
+    got, eng, lb = _dflash_run(tiny_dir, drafter_dir, PROMPTS[1:2], sp, oracle, max_num_seqs=8,
+                               max_num_batched_tokens=64)
+    assert got == want[1:2]
+    st = eng.stats()
+    assert st.spec_decode_num_drafts > 0
+    if forced is not None:
+        assert st.spec_decode_num_accepted_tokens == (st.spec_decode_num_draft_tokens if forced == "accept-all" else 0)
+    assert_idle(eng)
+    got, eng, lb = _dflash_run(tiny_dir, drafter_dir, PROMPTS, sp, oracle, drafting=set(list(plain)[::2]),
+                               max_num_seqs=8, max_num_batched_tokens=40)
+    assert got == want
+    assert_idle(eng)
+    assert eng.drafter.inner.context == {}
+
+
+def test_config_and_errors(tiny_dir, drafter_dir):
+    from engine.config import SpeculativeConfig
+    cfg = SpeculativeConfig.parse({"method": "dflash", "model": "/x", "num_speculative_tokens": 15})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("dflash", "/x", 15)
+    for bad in ({"method": "dflash", "num_speculative_tokens": 3}, {"method": "ngram", "model": "/x",
+                                                                  "num_speculative_tokens": 3}):
+        with pytest.raises(ValueError, match="'model'"):
+            SpeculativeConfig.parse(bad)
+    shutil_dir = drafter_dir.parent / "dflash-block8"
+    if not shutil_dir.exists():
+        shutil.copytree(drafter_dir, shutil_dir)
+        raw = json.loads((shutil_dir / "config.json").read_text())
+        raw["dflash_config"]["block_size"] = 8
+        (shutil_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="num_speculative_tokens 8 is more than"):
+        make(tiny_dir, speculative_config={"method": "dflash", "model": str(shutil_dir), "num_speculative_tokens": 8})
+
+
+@pytest.mark.gpu
+def test_gpu_4b_greedy_dflash_equals_plain(tmp_path_factory):
+    """The random 4B target with a random 4B-shaped drafter: greedy speculative output equals plain at c1
+    and in a batch of 16 (half speculating) with one 4097-token prompt (past the 4096-key window)."""
+    from conftest import gpu_or_skip
+    gpu_or_skip()
+    import os
+    target = (os.environ.get("QWEN35_MODEL_4B") or make_model_4b(tmp_path_factory), "cuda")
+    ddir = make_dflash(tmp_path_factory.mktemp("dflash-4b"), "4b")
+    sp = SamplingParams(max_tokens=32, **GREEDY)
+    prompts = [prompt(40 + i, 3 + 9 * i) for i in range(15)] + [prompt(99, 4097)]
+    kw = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=4200)
+    want, la = _plain_run(target, prompts, sp, **kw)
+    got, eng, lb = _dflash_run(target, ddir, prompts[-1:], sp, **kw)
+    _assert_same(target, prompts[-1:], want[-1:], got, la, lb)
+    assert_idle(eng)
+    eng.shutdown()
+    got, eng, lb = _dflash_run(target, ddir, prompts, sp, drafting={tuple(p) for p in prompts[::2]} |
+                               {tuple(prompts[-1])}, **kw)
+    _assert_same(target, prompts, want, got, la, lb)
+    assert eng.stats().spec_decode_num_drafts > 0
+    assert_idle(eng)
+    eng.shutdown()
+
+
+def make_model_4b(factory):
+    from engine.checkpoint import make_model
+    return make_model(factory.mktemp("4b"), "4b")
