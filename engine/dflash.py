@@ -242,9 +242,10 @@ class DFlashDrafter(Drafter):
             del self.context[req]
 
     # ---- draft --------------------------------------------------------------------------
-    def block_logits(self, reqs: list[Request]):
-        """f32 logits [len(reqs) * (B-1), V] of the mask slots: row i*(B-1) + j-1 scores position L+j of
-        request i, L its committed length (its context), x_L its pending token."""
+    def block_logits(self, reqs: list[Request], rooms: list[int] | None = None):
+        """f32 logits of the first rooms[i] mask slots of each request (default all B-1), request after
+        request: slot j scores position L+j, L the request's committed length (its context), x_L its
+        pending token. The block is whole whatever the rooms (the full layer's queries see all of it)."""
         cfg, ops = self.cfg, self.ops
         B, bs = cfg.block_size, self.cache.block_size
         chunks = []
@@ -271,19 +272,23 @@ class DFlashDrafter(Drafter):
             x = ops.linear(o, L["o_proj"])
             h, residual = ops.add_rms_norm(x, residual, L["ln2"], eps)
             x = ops.linear(ops.silu_mul(ops.linear(h, L["gate_up"])), L["down"])
-        rows = np.array([i * B + j for i in range(len(reqs)) for j in range(1, B)], np.int32)
+        rooms = rooms if rooms is not None else [B - 1] * len(reqs)
+        rows = np.array([i * B + j for i, k in enumerate(rooms) for j in range(1, k + 1)], np.int32)
         z, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)
         return ops.linear(z, self.target.lm_head)
 
     def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
         """Greedy drafts (argmax, whatever the request's sampling: spec-decode-spec §2.3), the first
-        rooms[i] of the B-1 for request i."""
-        if not reqs:
-            return []
-        top = self.ops.to_host(self.ops.argmax_finite(self.block_logits(reqs)))[:, 0].astype(np.int64)
-        top = top.reshape(len(reqs), self.cfg.block_size - 1)
-        return [top[i, :k].tolist() for i, k in enumerate(rooms)]
-
+        rooms[i] of the B-1 for request i; the lm_head runs on those rows only."""
+        rooms = [min(k, self.cfg.block_size - 1) for k in rooms]
+        busy = [i for i, k in enumerate(rooms) if k > 0]
+        out = [[] for _ in reqs]
+        if busy:
+            logits = self.block_logits([reqs[i] for i in busy], [rooms[i] for i in busy])
+            top = self.ops.to_host(self.ops.argmax_finite(logits))[:, 0].astype(np.int64).tolist()
+            for i in busy:
+                out[i], top = top[:rooms[i]], top[rooms[i]:]
+        return out
 
 def scratch_pages(cfg: DFlashConfig, block_size: int) -> int:
     """Pages per draft row for block positions past the request's reservation: the pending position L is

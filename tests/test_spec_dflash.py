@@ -286,29 +286,40 @@ def _assert_same(target, prompts, want, got, la, lb):
             assert np.abs(la[(tuple(p), i)] - lb[(tuple(p), i)]).mean() <= GPU_NOISE
 
 
-PROMPTS = [prompt(1, 20), prompt(2, 37), prompt(3, 5), prompt(4, 16)]  # across KV blocks and the window (40)
+PROMPTS = [prompt(1, 37), prompt(2, 20), prompt(3, 5)] + [prompt(10 + i, 3 + 4 * i) for i in range(13)]
+SP = SamplingParams(max_tokens=12, **GREEDY)  # the first prompt's context crosses KV blocks and the window (40)
+KW = dict(max_num_seqs=16, max_num_batched_tokens=96)
+
+
+@pytest.fixture(scope="module")
+def plain16(tiny_dir):
+    return _plain_run(tiny_dir, PROMPTS, SP, **KW)
 
 
 @pytest.mark.parametrize("forced", [None, "accept-all", "reject-first"])
-def test_greedy_dflash_equals_plain(tiny_dir, drafter_dir, forced):
-    """c1 with the DFlash drafter's own drafts, all-right drafts and all-wrong ones; then a batch where half
-    the requests speculate: tokens equal plain greedy; the context always covers what was committed;
-    nothing leaks."""
-    sp = SamplingParams(max_tokens=24, **GREEDY)
-    want, la = _plain_run(tiny_dir, PROMPTS, sp, max_num_seqs=8, max_num_batched_tokens=64)
-    plain = {tuple(p): t for p, t in zip(PROMPTS, want)}
-    oracle = None if forced is None else Oracle(plain, None if forced == "accept-all" else 0)
-    got, eng, lb = _dflash_run(tiny_dir, drafter_dir, PROMPTS[1:2], sp, oracle, max_num_seqs=8,
-                               max_num_batched_tokens=64)
-    assert got == want[1:2]
+def test_greedy_dflash_c1_equals_plain(tiny_dir, drafter_dir, plain16, forced):
+    """c1 with the DFlash drafter's own drafts, all-right drafts and all-wrong ones: tokens equal plain
+    greedy; the context always covers what was committed; nothing leaks."""
+    want = plain16[0]
+    oracle = None if forced is None else Oracle({tuple(PROMPTS[0]): want[0]}, None if forced == "accept-all" else 0)
+    got, eng, _ = _dflash_run(tiny_dir, drafter_dir, PROMPTS[:1], SP, oracle, **KW)
+    assert got == want[:1]
     st = eng.stats()
     assert st.spec_decode_num_drafts > 0
     if forced is not None:
         assert st.spec_decode_num_accepted_tokens == (st.spec_decode_num_draft_tokens if forced == "accept-all" else 0)
     assert_idle(eng)
-    got, eng, lb = _dflash_run(tiny_dir, drafter_dir, PROMPTS, sp, oracle, drafting=set(list(plain)[::2]),
-                               max_num_seqs=8, max_num_batched_tokens=40)
-    assert got == want
+    assert eng.drafter.inner.context == {}
+
+
+def test_greedy_dflash_batch_of_16_equals_plain(tiny_dir, drafter_dir, plain16):
+    """16 requests, every other one speculating with the drafter's own drafts (the others decode plainly;
+    the drafter keeps every request's context all the same), prompts chunked by the step budget; K = 4 of
+    the block's 15 drafts (a CPU verify of 16 rows is slow)."""
+    got, eng, _ = _dflash_run(tiny_dir, drafter_dir, PROMPTS, SP, drafting={tuple(p) for p in PROMPTS[::2]}, k=4,
+                              **KW)
+    assert got == plain16[0]
+    assert eng.stats().spec_decode_num_drafts > 0
     assert_idle(eng)
     assert eng.drafter.inner.context == {}
 
