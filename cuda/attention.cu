@@ -1,20 +1,23 @@
 // Full-attention layer kernels (spec §5).
-//  attn_prep:  q/gate split (per-head [q_h | gate_h]), QK RMSNorm (1 + w), partial NeoX RoPE on the first
-//              rd dims, K/V written into the paged cache [blocks, block_size, nkv, hd] at slot_mapping.
+//  attn_prep:  q/gate split (per-head [q_h | gate_h]; sqh hd: q alone, the DFlash drafter's; nh 0: no q, K/V
+//              only), QK RMSNorm (1 + w), partial NeoX RoPE on the first rd dims, K/V written into the paged
+//              cache [blocks, block_size, nkv, hd] at slot_mapping.
 //  attn_fwd:   causal paged GQA attention, one block per (key split, kv head, query token) holding all
 //              G query heads of the kv head; online softmax per warp, warps merged in shared memory.
+//              window > 0: only the last `window` keys up to the token's own (DFlash's sliding layers).
 //              nsplit == 1: normalise, apply sigmoid(gate), write bf16. Otherwise write f32 partials
 //              and attn_combine merges the splits (split-K over long contexts, flash-decoding style).
 #include "common.cuh"
 
 // grid T, 128 threads (4 warps), dynamic smem 4 * hd floats. Jobs per token: nh q heads, nkv k heads
-// (normed + roped), nkv v heads (copied).
+// (normed + roped), nkv v heads (copied). q head h starts at qg + t * sqg + h * sqh (2 * hd
+// with the gate beside it, hd without).
 extern "C" __global__ void __launch_bounds__(128) attn_prep(
     const bf16_t* __restrict__ qg, long long sqg, const bf16_t* __restrict__ k, long long sk,
     const bf16_t* __restrict__ v, long long sv, const float* __restrict__ qw, const float* __restrict__ kw,
     bf16_t* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
     const int* __restrict__ slot_mapping, const int* __restrict__ positions, const float* __restrict__ inv_freq,
-    int nh, int nkv, int hd, int rd, float eps)
+    int nh, int nkv, int hd, int rd, float eps, int sqh)
 {
     extern __shared__ float sbuf[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -28,7 +31,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(
         bf16_t* dst;
         const float* w;
         if (job < nh) {
-            src = qg + t * sqg + (long long)job * 2 * hd;
+            src = qg + t * sqg + (long long)job * sqh;
             dst = q_out + (t * nh + job) * hd;
             w = qw;
         } else if (job < nh + nkv) {
@@ -84,14 +87,15 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&f)[E]) {
 
 // q: [T, nh, HD] contiguous; gate: [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc: [blocks, bs, nkv, HD].
 // block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its absolute position
-// (it attends keys 0..pos); chunk: keys per split, or 0 (see below). out: [T, nh*HD].
+// (it attends keys 0..pos, or pos - window + 1..pos when window > 0); chunk: keys per split, or 0 (see below).
+// out: [T, nh*HD].
 // part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2].
 template <int HD, int G>
 __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
     const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ tok_seq,
-    const int* __restrict__ positions, int nkv, int bs, int chunk, float scale,
+    const int* __restrict__ positions, int nkv, int bs, int chunk, int window, float scale,
     bf16_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml)
 {
     constexpr int E = HD / 32;
@@ -102,13 +106,14 @@ __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const long long t = blockIdx.z;
     const int nh = nkv * G;
     const int n_keys = positions[t] + 1;
+    const int first = window > 0 ? max(n_keys - window, 0) : 0;  // the token's first key
     // chunk > 0: keys per split at fixed offsets (batch-invariant mode). 0: this token's own keys split
     // evenly over the grid's splits, so every split has work however far the context is below the
     // max_ctx that sized the grid (a decode graph's grid is sized for max_model_len), but at least
     // ATTN_MIN_SPLIT_KEYS each: the later splits of a short context stay empty (cheaper than tiny ones)
-    const int per = chunk > 0 ? chunk : max((n_keys + nsplit - 1) / nsplit, ATTN_MIN_SPLIT_KEYS);
-    const int j0 = split * per;
-    const int j1 = min(j0 + per, n_keys);
+    const int per = chunk > 0 ? chunk : max((n_keys - first + nsplit - 1) / nsplit, ATTN_MIN_SPLIT_KEYS);
+    const int j0 = chunk > 0 ? max(split * per, first) : first + split * per;
+    const int j1 = min((chunk > 0 ? split * per : j0) + per, n_keys);
     const int* table = block_tables + (long long)tok_seq[t] * bt_stride;
 
     float qr[G][E], acc[G][E], m[G], l[G];
@@ -202,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(
 #define ATTN_INST(HD, G)                                                                                       \
     template __global__ void attn_fwd<HD, G>(const bf16_t*, const bf16_t*, long long, long long, const bf16_t*, \
                                              const bf16_t*, const int*, int, const int*, const int*, int, int,  \
-                                             int, float, bf16_t*, float*, float*);
+                                             int, int, float, bf16_t*, float*, float*);
 ATTN_INST(64, 1) ATTN_INST(64, 2) ATTN_INST(64, 3) ATTN_INST(64, 4) ATTN_INST(64, 6) ATTN_INST(64, 8)
 ATTN_INST(128, 1) ATTN_INST(128, 2) ATTN_INST(128, 3) ATTN_INST(128, 4) ATTN_INST(128, 6) ATTN_INST(128, 8)
 ATTN_INST(256, 1) ATTN_INST(256, 2) ATTN_INST(256, 3) ATTN_INST(256, 4) ATTN_INST(256, 6) ATTN_INST(256, 8)

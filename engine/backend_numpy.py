@@ -284,24 +284,29 @@ class NumpyBackend:
         y = rms(o.reshape(T, -1, dv), eps) * gated_norm_weight(w) * silu(z.reshape(T, -1, dv))
         return y.reshape(T, -1)
 
-    def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta: Meta, rotary_dim, theta, eps):
+    def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta: Meta, rotary_dim, theta, eps,
+                  gated=True):
         """q/gate split, QK RMSNorm1p, partial NeoX RoPE, K/V written into the paged cache.
-        Returns (q [T, nh, hd], gate [T, nh*hd])."""
-        hd = q_norm.shape[0]
-        T = q_gate.shape[0]
-        q, gate = split_q_gate(q_gate, q_gate.shape[1] // (2 * hd), hd)
-        q = rms(q, eps) * (1.0 + q_norm)
-        k = rms(k.reshape(T, -1, hd), eps) * (1.0 + k_norm)
+        Returns (q [T, nh, hd], gate [T, nh*hd]); gated False: q_gate is q alone (gate None), or None."""
+        hd = k_norm.shape[0]
+        T = k.shape[0]
         pos = meta.step.positions
-        q, k = rope(q, pos, rotary_dim, theta), rope(k, pos, rotary_dim, theta)
+        q = gate = None
+        if q_gate is not None:
+            if gated:
+                q, gate = split_q_gate(q_gate, q_gate.shape[1] // (2 * hd), hd)
+            else:
+                q = q_gate.reshape(T, -1, hd)
+            q = rope(rms(q, eps) * (1.0 + q_norm), pos, rotary_dim, theta)
+        k = rope(rms(k.reshape(T, -1, hd), eps) * (1.0 + k_norm), pos, rotary_dim, theta)
         nkv = k.shape[1]
         k_cache.reshape(-1, nkv, hd)[meta.slot_mapping] = k
         v_cache.reshape(-1, nkv, hd)[meta.slot_mapping] = v.reshape(T, nkv, hd)
         return q, gate
 
-    def attention(self, q, gate, k_cache, v_cache, meta: Meta):
-        """Causal GQA attention over each sequence's paged KV, then the sigmoid output gate.
-        q [T, nh, hd]; returns [T, nh*hd]."""
+    def attention(self, q, gate, k_cache, v_cache, meta: Meta, causal=True, window=0):
+        """GQA attention over each sequence's paged KV (causal; or all its keys; a window of the last
+        `window` keys), then the sigmoid output gate (None: none). q [T, nh, hd]; returns [T, nh*hd]."""
         T, nh, hd = q.shape
         bs, nkv = k_cache.shape[1], k_cache.shape[2]
         st = meta.step
@@ -312,11 +317,15 @@ class NumpyBackend:
             K = k_cache[blocks].reshape(-1, nkv, hd)[:n_ctx]
             V = v_cache[blocks].reshape(-1, nkv, hd)[:n_ctx]
             rows = slice(st.cu_seqlens[b], st.cu_seqlens[b + 1])
-            qb, pos = q[rows], st.positions[rows]
+            qb = q[rows]
+            last = st.positions[rows] if causal else np.full(len(qb), n_ctx - 1)  # each token's last key
             Kx, Vx = np.repeat(K, nh // nkv, axis=1), np.repeat(V, nh // nkv, axis=1)  # kv head = h // group
             sc = np.einsum("thd,shd->hts", qb, Kx) * hd ** -0.5
-            sc = np.where(np.arange(n_ctx)[None, None] > pos[None, :, None], -np.inf, sc)
+            key = np.arange(n_ctx)[None, None]
+            hidden = (key > last[None, :, None]) | ((key <= last[None, :, None] - window) if window else False)
+            sc = np.where(hidden, -np.inf, sc)
             sc = np.exp(sc - sc.max(-1, keepdims=True))
             sc /= sc.sum(-1, keepdims=True)
             o[rows] = np.einsum("hts,shd->thd", sc, Vx)
-        return o.reshape(T, nh * hd) * sigmoid(gate)
+        o = o.reshape(T, nh * hd)
+        return o if gate is None else o * sigmoid(gate)

@@ -3,6 +3,9 @@
 Presets: `tiny` and `tiny3` (every ratio of the real models at toy size; tiny3 has 3 GDN value
 heads per key head as 27B does, and ties lm_head as 4B does), and the real `4b`, `9b`, `27b` shapes.
 Big checkpoints are written shard by shard, so memory stays at one shard.
+
+`make_dflash` writes a DFlash drafter for a preset's target instead (z-lab's layout, spec-decode-spec
+§2.1-§2.2; loaded by dflash.py): the 4B release's shape for every real preset, a 3-layer toy for tiny/tiny3.
 """
 from __future__ import annotations
 
@@ -54,6 +57,61 @@ def config_json(preset: str) -> dict:
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
             "tie_word_embeddings": p["tie"], "image_token_id": 248056, "video_token_id": 248057,
             "vision_start_token_id": 248053, "vision_end_token_id": 248054, "transformers_version": "5.17.0"}
+
+
+# The drafter's shape per target preset: z-lab's Qwen3.5-4B-DFlash (spec-decode-spec §2.1) with the
+# target's hidden size; the toy keeps its ratios (a sliding window short enough for tests to cross).
+_DFLASH = {"real": dict(num_layers=6, num_taps=8, num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=4096),
+           "toy": dict(num_layers=3, num_taps=3, num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=40)}
+DFLASH_MASK_ID = 248077  # the current 4B release's mask token
+
+
+def default_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's build_target_layer_ids: target layers spread from 1 to T-3 (spec-decode-spec §2.1)."""
+    T, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [T // 2]
+    return [round(1 + i * (T - 4) / (n - 1)) for i in range(n)]
+
+
+def dflash_config_json(preset: str) -> dict:
+    target = PRESETS[preset]
+    d = _DFLASH["toy" if preset.startswith("tiny") else "real"]
+    n, H, T = d["num_layers"], target["hidden_size"], target["num_layers"]
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "hidden_size": H,
+            "intermediate_size": target["intermediate_size"], "hidden_act": "silu", "num_hidden_layers": n,
+            "layer_types": ["sliding_attention"] * (n - 1) + ["full_attention"],
+            "sliding_window": d["sliding_window"], "use_sliding_window": True, "max_window_layers": n,
+            "num_attention_heads": d["num_heads"], "num_key_value_heads": d["num_kv_heads"],
+            "head_dim": d["head_dim"], "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+            "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0, "vocab_size": 248320,
+            "max_position_embeddings": 262144, "num_target_layers": T, "tie_word_embeddings": True,
+            "dtype": "bfloat16", "eos_token_id": 248044,
+            "dflash_config": {"block_size": 16, "mask_token_id": DFLASH_MASK_ID,
+                              "target_layer_ids": default_taps(T, d["num_taps"])}}
+
+
+def make_dflash(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random DFlash drafter for the preset's target: config.json and one model.safetensors. Norms are
+    plain w (used as w, not 1 + w: spec-decode-spec §2.2), so they are drawn around 1."""
+    from .dflash import DFlashConfig, dflash_shapes
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = dflash_config_json(preset)
+    cfg = DFlashConfig.from_dict(raw)
+    shapes = dflash_shapes(cfg, len(cfg.target_layer_ids))
+    rng = np.random.default_rng(seed)
+    sizes = ModelConfig.from_dict(config_json(preset))  # _std scales the output projections by depth
+
+    def make(name):
+        x = _init(rng, name, shapes[name], sizes)
+        return _to_bf16_bits(x + 1.0 if x.ndim == 1 else x)
+
+    _stream_safetensors(out / "model.safetensors", {k: (s, np.uint16) for k, s in shapes.items()}, make)
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    return out
 
 
 def _mrope_section(half: int) -> list[int]:
@@ -172,5 +230,10 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=4.0)
+    ap.add_argument("--dflash", action="store_true",
+                    help="write a DFlash drafter for the preset's target instead (for --speculative-config)")
     a = ap.parse_args(argv)
-    print(make_model(a.out_dir, a.preset, a.seed, int(a.shard_gb * (1 << 30))))
+    if a.dflash:
+        print(make_dflash(a.out_dir, a.preset, a.seed))
+    else:
+        print(make_model(a.out_dir, a.preset, a.seed, int(a.shard_gb * (1 << 30))))

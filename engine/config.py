@@ -187,7 +187,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # vLLM's JSON (SpeculativeConfig.parse); None: off
 
 
-SPEC_METHODS = ("ngram",)  # the drafters built so far (engine/drafter.py)
+SPEC_METHODS = ("ngram", "mtp", "dflash")  # the drafters built so far (engine/drafter.py, mtp.py, dflash.py)
 MAX_SPEC_TOKENS = 15       # a verify is at most 16 tokens per sequence (DFlash's block)
 
 
@@ -198,6 +198,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 5    # ngram: the longest suffix matched ...
     prompt_lookup_min: int = 5    # ... down to this one
+    model: str | None = None      # dflash: the drafter's directory
 
     @classmethod
     def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
@@ -211,7 +212,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
         method = value.get("method")
@@ -227,4 +228,8 @@ class SpeculativeConfig:
         if type(lo) is not int or type(hi) is not int or not 1 <= lo <= hi:
             raise ValueError(f"speculative_config: need integers 1 <= prompt_lookup_min <= prompt_lookup_max, "
                              f"got {lo!r} and {hi!r}")
-        return cls(method, k, hi, lo)
+        model = value.get("model")
+        if (method == "dflash") != (model is not None) or not isinstance(model, (str, type(None))):
+            raise ValueError(f"speculative_config: 'model' (a path) names the drafter of method 'dflash', and only "
+                             f"it; got {model!r} for {method!r}")
+        return cls(method, k, hi, lo, model)

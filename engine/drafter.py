@@ -5,17 +5,70 @@ the engine calls it once per step with all of them (engine.py: one batch, so a d
 one forward for the batch), and the verify path (runner.py, verify.py) checks the drafts against the
 target. An empty proposal is fine: that request decodes plainly this step. Test oracles
 (tests/test_spec_decode.py) implement the same `propose`.
+
+A drafter that reads the target's activations (MTP: the post-norm hidden; mtp.py) names them in
+`capture`: the runner then has every forward keep them (model.Capture) with where each request's rows
+are (`StepRecord`), and the engine hands each step's record to `observe()` once its tokens are collected,
+before it asks for the next proposals.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .config import SpeculativeConfig
-from .request import Request
+from .model import Capture
+from .request import Request, Status
 
 
-class NgramDrafter:
+@dataclass
+class StepRecord:
+    """One launched step, for a drafter: the forward's captured arrays (model.Capture's keys, every row
+    of the step) and, per scheduled request, (req, base_pos, first_row, num_rows): its rows
+    first_row.. of the step are positions base_pos.. ."""
+    captured: dict
+    rows: list[tuple[Request, int, int, int]]
+
+    def committed(self) -> list[tuple[Request, int, int, int]]:
+        """Once the step's tokens are collected: (req, base_pos, first_row, rows committed) per request
+        still running with at least one committed row. A verify that accepted a of k drafts commits
+        a + 1 rows, a prefill chunk all of them (req.num_computed counts what the target committed)."""
+        out = []
+        for req, base, first, n in self.rows:
+            n = min(n, req.num_computed - base)
+            if req.status is Status.RUNNING and n > 0:
+                out.append((req, base, first, n))
+        return out
+
+
+class Drafter:
+    """The interface the engine drives (engine.py: _propose, step())."""
+    capture: Capture | None = None  # what the target's forwards keep for observe() (None: nothing)
+
+    def bind(self, cache) -> None:
+        """The target's cache, once allocated (after the memory plan, which counts the drafter's weights and
+        its Qwen35Model.draft_kv_layers)."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of the drafter's own weights (the memory plan's log line)."""
+        return 0
+
+    def kv_bytes(self, block_size: int) -> tuple[int, int]:
+        """Bytes of paged KV the drafter allocates itself at bind() (DFlash: dflash.py): per block of the
+        target's pool, and fixed. The memory plan counts them."""
+        return 0, 0
+
+    def observe(self, record: StepRecord) -> None:
+        """The last collected step (only with a capture)."""
+
+    def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
+        """Up to rooms[i] draft tokens to follow each request's tokens (the last one is its pending token)."""
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
     """vLLM's `ngram` (prompt lookup): find the longest suffix of n tokens (n from prompt_lookup_max
     down to prompt_lookup_min) that occurred earlier in prompt + output, at its most recent earlier
     occurrence, and propose the up to k tokens that followed it. No match: no drafts."""
@@ -39,7 +92,15 @@ class NgramDrafter:
         return []
 
 
-def make_drafter(cfg: SpeculativeConfig):
+def make_drafter(cfg: SpeculativeConfig, model, weights: dict, max_num_seqs: int) -> Drafter:
+    """model: the target; weights: its checkpoint tensors (for "mtp" with the mtp.* head); max_num_seqs: the
+    most requests one propose() drafts for."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "mtp":
+        from .mtp import MtpDrafter  # mtp.py builds on this module
+        return MtpDrafter(model, weights)
+    if cfg.method == "dflash":
+        from .dflash import DFlashDrafter, load_dflash
+        return DFlashDrafter(*load_dflash(cfg.model, model.cfg), model, cfg.num_speculative_tokens, max_num_seqs)
     raise ValueError(f"no drafter for method {cfg.method!r}")  # SpeculativeConfig.parse refuses it first

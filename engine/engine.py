@@ -126,9 +126,14 @@ class Engine:
                              "saves would be published before its drafts are accepted): choose one")
         backend = make_backend(a.device, a.batch_invariant)
         backend.load_kernels(cfg)  # compiles in the background while the weights load
-        model = Qwen35Model(cfg, load_weights(model_dir, cfg), backend)
+        mtp = spec is not None and spec.method == "mtp"  # the MTP head: its weights, and its KV in the cache
+        weights = load_weights(model_dir, cfg, mtp=mtp)
+        model = Qwen35Model(cfg, weights, backend, draft_kv_layers=int(mtp))
+        # before the memory plan, which measures the free memory the weights leave
+        self.drafter = make_drafter(spec, model, weights, a.max_num_seqs) if spec else None  # tests swap in oracle drafters
+        del weights  # the model and the drafter hold their own uploads
         t_weights = time.perf_counter()
-        plan = plan_cache(model, a, max_len, spec.num_speculative_tokens if spec else 0)
+        plan = plan_cache(model, a, max_len, spec.num_speculative_tokens if spec else 0, self.drafter)
         self.kv = KVBlockManager(plan.num_blocks, a.block_size)
         self.slots = StateSlotPool(plan.num_slots)
         self.prefix = None
@@ -145,12 +150,13 @@ class Engine:
                                    spec_rows=SpecRowPool(plan.num_slots + plan.num_snapshots, plan.spec_tokens,
                                                          plan.num_spec_sets) if spec else None)
         cache = model.alloc_cache(plan.num_rows, self.kv.num_blocks, a.block_size)
-        log.info(plan.describe(backend.name, model.weight_bytes(), a))
+        log.info(plan.describe(backend.name, model.weight_bytes() + (self.drafter.weight_bytes() if spec else 0), a))
         if self.prefix is not None and not plan.num_snapshots:
             log.warning("prefix caching is on but the memory plan left no GDN state snapshots: every request is "
                         "served cold (give --num-state-snapshots)")
         self.spec = spec
-        self.drafter = make_drafter(spec) if spec else None  # tests swap in oracle drafters
+        if self.drafter is not None:
+            self.drafter.bind(cache)
         self.runner = ModelRunner(model, cache, Sampler(a.seed))
         if backend.needs_warm_up:
             self.runner.warm_up(min(a.max_num_batched_tokens, max_len))
@@ -182,6 +188,7 @@ class Engine:
         self._launched_plans: list[Plan] = []      # not covered by a sampling yet
         self._inflight_plans: list[Plan] = []      # complete when self._inflight is collected
         self._step_trace = None                    # (line, forward marks) of the last launched step
+        self._record = None                        # speculative decoding: the last launched step's StepRecord
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
         if start:
@@ -294,7 +301,8 @@ class Engine:
         is computed and dropped (its KV reservation covers it). Results arrive one step() later: a
         step's tokens are delivered by the next call.
 
-        With speculative decoding the step collects first, then asks the drafter, then schedules: a
+        With speculative decoding the step collects first, then shows the drafter what the collected step
+        committed (drafter.py: observe, for a drafter with a capture), then asks it, then schedules: a
         request's drafts continue its latest tokens, and where its next step starts depends on how
         many drafts its last verify accepted, both known only once its tokens are on the host. So such
         an engine does not overlap (the device waits while the host schedules and delivers); with
@@ -303,6 +311,9 @@ class Engine:
         t0 = time.perf_counter()
         if self.drafter is not None:
             self._flush(t0)                                                 # 0. step n's tokens first
+            if self._record is not None:  # what step n committed, for a drafter that reads the target
+                self.drafter.observe(self._record)
+                self._record = None
             self._propose()
         batch = self.scheduler.schedule()                                   # 1. schedule (host only)
         t1 = time.perf_counter()
@@ -347,6 +358,7 @@ class Engine:
         with self._lock:  # a request's first chunk starts at its cached tokens (0 without a prefix hit)
             self._pending -= sum(1 for req, _ in batch if req.num_computed == req.cached_tokens)
         plan = self.scheduler.plan if self.prefix is not None else None
+        self.runner.capture = self.drafter.capture if self.drafter is not None else None
         try:
             launched = self.runner.forward(batch, self._inflight, plan)
         except Exception as e:  # noqa: BLE001 - the whole step failed: end its requests, keep serving
@@ -355,6 +367,7 @@ class Engine:
             return None, e.with_traceback(None)  # its frames would hold the step's device arrays until a GC pass
         if plan is not None:
             self._launched_plans.append(plan)
+        self._record = launched.record
         for req, n in batch:
             self.scheduler.advance(req, n)
             self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -

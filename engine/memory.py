@@ -13,7 +13,11 @@ cached prefix.
 With speculative decoding (k drafts per verify) each speculating sequence needs a set of k rollback rows
 (after the snapshots; state_slots.SpecRowPool): max_num_seqs sets when they fit in half the budget the
 slots leave (or, with num_kv_blocks given, in what those blocks leave), else as many as fit there (a
-request admitted without a set runs without speculation). The step reserve counts a verify's logits rows, 1 + k per sequence.
+request admitted without a set runs without speculation). The step reserve counts a verify's logits rows,
+1 + k per sequence. The MTP drafter's KV is one more attention layer of every block
+(Qwen35Model.draft_kv_layers): the blocks are that much bigger, so fewer fit. The DFlash drafter keeps its
+own paged KV (dflash.py): its bytes per block are added likewise, its fixed scratch pages come off the
+budget.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class CachePlan:
         """State rows the cache is allocated with: slots, snapshots, rollback rows, and one more set of
         rollback rows for padding (a CUDA graph's padded verify rows write there)."""
         return self.num_slots + self.num_snapshots + (self.num_spec_sets + bool(self.spec_tokens)) * self.spec_tokens
+    draft_kv_layers: int = 0  # attention layers of each KV block that are a drafter's (MTP: 1), in block_bytes
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)
@@ -48,6 +53,8 @@ class CachePlan:
             rows = self.num_spec_sets * self.spec_tokens
             caching += (f"; speculative decoding: rollback rows for {self.num_spec_sets} of {a.max_num_seqs} "
                         f"sequences ({rows} rows) = {rows * self.slot_bytes * gib:.2f} GiB")
+        if self.draft_kv_layers:
+            caching += f"; each KV block holds {self.draft_kv_layers} drafter attention layer(s) too"
         return (f"memory plan ({backend_name}): weights {weight_bytes * gib:.2f} GiB; step activations for "
                 f"{a.max_num_batched_tokens} tokens; {self.num_slots} state slots x {self.slot_bytes * mib:.1f} MiB "
                 f"= {self.num_slots * self.slot_bytes * gib:.2f} GiB; {self.num_blocks} KV blocks x {a.block_size} "
@@ -61,10 +68,12 @@ def unit_bytes(model, block_size: int) -> tuple[int, int]:
     return sum(x.nbytes for x in probe.conv + probe.rec), sum(x.nbytes for x in probe.k + probe.v)
 
 
-def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -> CachePlan:
-    """spec_tokens: speculative decoding's drafts per verify (0: off)."""
+def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0, drafter=None) -> CachePlan:
+    """spec_tokens: speculative decoding's drafts per verify (0: off); drafter: its own KV (Drafter.kv_bytes)."""
     num_slots = a.max_num_seqs + 1
     slot_bytes, block_bytes = unit_bytes(model, a.block_size)
+    draft_block, draft_fixed = drafter.kv_bytes(a.block_size) if drafter is not None else (0, 0)
+    block_bytes += draft_block
     useful = a.max_num_seqs * -(-max_model_len // a.block_size) + 1  # what running sequences can use at once
     need_budget = a.num_kv_blocks is None or (a.enable_prefix_caching and a.num_state_snapshots is None)
     budget = a.kv_cache_memory
@@ -72,6 +81,8 @@ def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -
         # its logits reserve is per sampled row: a verify samples 1 + spec_tokens rows of a sequence
         budget = model.ops.cache_budget(model.cfg, a.max_num_batched_tokens, a.max_num_seqs * (1 + spec_tokens),
                                         a.gpu_memory_utilization)
+    if budget is not None:
+        budget -= draft_fixed
     num_snapshots = 0
     running_kv = (a.num_kv_blocks if a.num_kv_blocks is not None else useful) * block_bytes
     num_sets = a.max_num_seqs if spec_tokens else 0
@@ -93,4 +104,4 @@ def plan_cache(model, a: EngineArgs, max_model_len: int, spec_tokens: int = 0) -
         if not a.enable_prefix_caching:
             num_blocks = min(num_blocks, useful)
     return CachePlan(num_slots, int(num_blocks), slot_bytes, block_bytes, int(num_snapshots), int(num_sets),
-                     spec_tokens)
+                     spec_tokens, model.draft_kv_layers)

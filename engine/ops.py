@@ -107,14 +107,18 @@ class Backend(Protocol):
         """Per value head: w * RMSNorm(o) * silu(z). o [T, nv*dv], z [T, nv*dv] (column view), w [dv]."""
 
     def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta, rotary_dim: int, theta: float,
-                  eps: float) -> tuple[Any, Any]:
+                  eps: float, gated: bool = True) -> tuple[Any, Any]:
         """q/gate split, q/k RMSNorm(1 + w), partial NeoX RoPE, K/V written into the paged cache at
         the step's slot mapping. q_gate [T, nh*2*hd], k, v [T, nkv*hd] (column views), k_cache,
-        v_cache [blocks, block_size, nkv, hd] -> (q [T, nh, hd], gate [T, nh, hd] or [T, nh*hd])."""
+        v_cache [blocks, block_size, nkv, hd] -> (q [T, nh, hd], gate [T, nh, hd] or [T, nh*hd]).
+        gated False (the DFlash drafter, dflash.py): q_gate is q alone [T, nh*hd] and gate comes back
+        None; q_gate None as well: only K/V are written, (None, None) comes back."""
 
-    def attention(self, q, gate, k_cache, v_cache, meta) -> Any:
-        """Causal GQA attention of each sequence's new tokens over its paged KV, times sigmoid(gate).
-        q [T, nh, hd] -> [T, nh*hd]."""
+    def attention(self, q, gate, k_cache, v_cache, meta, causal: bool = True, window: int = 0) -> Any:
+        """Causal GQA attention of each sequence's new tokens over its paged KV, times sigmoid(gate)
+        (gate None: no output gate). q [T, nh, hd] -> [T, nh*hd]. causal False: every new token sees all
+        of its sequence's keys (0..seq_len-1). window > 0: a token at position p sees keys
+        p-window+1..p only (DFlash's sliding layers; with causal False, counted back from seq_len-1)."""
 
 
 def make_backend(device: str, batch_invariant: bool = False) -> Backend:

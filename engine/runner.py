@@ -21,6 +21,7 @@ import numpy as np
 
 from . import verify
 from .arrays import HostCopy, array_module, as_f32, take_rows
+from .drafter import StepRecord
 from .kv_blocks import DUMMY_BLOCK
 from .prefix_cache import Plan
 from .request import Request, Status
@@ -51,6 +52,7 @@ class ForwardInFlight:
     marks: tuple = ()        # (start, end) device marks when timing
     plan: Plan | None = None  # prefix caching: its state copies, published once it is complete
     drafts: dict = field(default_factory=dict)  # verifying request -> its drafts (1 + k logits rows)
+    record: StepRecord | None = None  # with a capture: what the drafter observes once the step is collected
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ModelRunner:
         self.model, self.cache, self.sampler, self.graphs = model, cache, sampler, graphs
         self.ops = model.ops
         self.timing = False  # mark device time around each forward and sampling (the step trace)
+        self.capture = None  # a model.Capture: every forward keeps it for the drafter (ForwardInFlight.record)
         # test hook: (requests sampled, host logits) -> logits; raising fails the whole step
         self.logits_hook = None
 
@@ -135,14 +138,20 @@ class ModelRunner:
         start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
-        if self.graphs is not None and self.graphs.kind(step) is not None:
+        record = None
+        if self.capture is not None:  # eager: the decode graphs do not capture activations (yet)
+            logits, captured = self.model.forward(step, self.cache, self.capture)
+            record = StepRecord(captured, [(req, req.num_computed, int(step.cu_seqlens[i]), n)
+                                           for i, (req, n) in enumerate(batch)])
+        elif self.graphs is not None and self.graphs.kind(step) is not None:
             logits = self.graphs.run(step)  # every sequence decodes one token, or verifies K drafts
         else:
             logits = self.model.forward(step, self.cache)
         if at_end:
             self.ops.copy_slots(self.cache, [a for a, _ in at_end], [b for _, b in at_end])
         marks = (start, self.ops.mark()) if self.timing else ()
-        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts)
+        return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts,
+                               record)
 
     def roll_back(self, req: Request, accepted: int) -> None:
         """req's verify accepted only `accepted` drafts: its slot gets the state after its last accepted

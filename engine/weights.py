@@ -18,7 +18,8 @@ from .config import FULL, LINEAR, ModelConfig
 # safetensors dtype -> NumPy dtype of the raw buffer (BF16 kept as bits)
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 _PREFIXES = ("model.language_model.", "model.")
-_IGNORED = ("model.visual.", "mtp.")
+_VISION = "model.visual."
+_MTP = "mtp."
 F32_SUFFIXES = ("linear_attn.A_log", "linear_attn.norm.weight")
 
 
@@ -57,7 +58,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The multi-token-prediction head every published checkpoint carries, top-level `mtp.*`
     (spec-decode-spec §1.2): fc fusing [embedding; hidden] (2H -> H), three (1+w) norms and one
-    full-attention decoder layer; it shares the target's embed_tokens and lm_head. Not loaded yet."""
+    full-attention decoder layer; it shares the target's embed_tokens and lm_head. Loaded for the "mtp"
+    drafter only (mtp.py)."""
     H = cfg.hidden_size
     return {"mtp.fc.weight": (H, 2 * H), "mtp.pre_fc_norm_embedding.weight": (H,),
             "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)} | _layer_shapes(cfg, "mtp.layers.0.", FULL)
@@ -97,11 +99,11 @@ def _files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _text_name(name: str) -> str | None:
-    """Checkpoint name -> text-model name; None for tensors we ignore (vision tower, MTP head)."""
-    if name.startswith(_IGNORED):
+def _text_name(name: str, mtp: bool) -> str | None:
+    """Checkpoint name -> text-model name; None for tensors we ignore (vision tower, MTP head unless mtp)."""
+    if name.startswith(_VISION) or (name.startswith(_MTP) and not mtp):
         return None
-    if name == "lm_head.weight":
+    if name == "lm_head.weight" or name.startswith(_MTP):
         return name
     for prefix in _PREFIXES:
         if name.startswith(prefix):
@@ -109,13 +111,14 @@ def _text_name(name: str) -> str | None:
     return name  # unknown: reported as unexpected below
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def load_weights(model_dir: str | Path, cfg: ModelConfig, mtp: bool = False) -> dict[str, np.ndarray]:
+    """mtp: the MTP head's mtp.* tensors too (speculative method "mtp"), under their checkpoint names."""
     model_dir = Path(model_dir)
-    want = expected_shapes(cfg)
+    want = expected_shapes(cfg) | (mtp_shapes(cfg) if mtp else {})
     found: dict[str, np.ndarray] = {}
     for path in _files(model_dir):
         for name, arr in read_safetensors(path).items():
-            key = _text_name(name)
+            key = _text_name(name, mtp)
             if key is None or (key == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue  # a stored copy of a tied lm_head is the embedding again
             if key not in want:
@@ -128,6 +131,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
                 arr = bf16_to_f32(arr)  # Qwen3.6-style bf16 copies of the f32 tensors
             found[key] = arr
     missing = [k for k in want if k not in found]
+    if mtp and not any(k.startswith(_MTP) for k in found):
+        raise WeightError(f"{model_dir}: the checkpoint has no mtp.* tensors (the multi-token-prediction head), so "
+                          "it cannot serve speculative method 'mtp'")
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise WeightError(f"missing tensor {missing[0]} (expected shape {list(want[missing[0]])}){more}")

@@ -221,6 +221,42 @@ def test_attn_prep_and_attention(be, ref, lens, bases, nh, nkv, hd):
     assert rel(be.to_host(got), want) <= BF16_TOL
 
 
+# the DFlash drafter's attention (engine/dflash.py): 16-token blocks over a context, 32/8 heads of 128 at 4B
+DFLASH_BLOCKS = [([16], [0]), ([16, 16, 16], [5, 300, 4097]), ([16], [5000])]
+
+
+@pytest.mark.parametrize("lens,bases", DFLASH_BLOCKS, ids=["empty-ctx", "batch3", "long"])
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 64), (32, 8, 128)], ids=["tiny", "4b"])
+@pytest.mark.parametrize("causal,window", [(True, 0), (True, 40), (True, 4096), (False, 0)],
+                         ids=["causal", "window40", "window4096", "noncausal"])
+def test_ungated_attention_masks(be, ref, lens, bases, nh, nkv, hd, causal, window):
+    """attn_prep without a gate (q alone; and K/V only, the context append), then attention without an
+    output gate, causal or not, windowed or not, against the NumPy reference."""
+    rng = np.random.default_rng(sum(bases) + nh + window + causal)
+    nb = 2 * max(bases) // 16 + 16
+    step, T, proj, kc, vc, qn, kn = _attn_setup(rng, lens, bases, nh, nkv, hd, nb=nb)
+    nq, nk_ = nh * hd, nkv * hd
+    mr, m = ref.prepare(step, _C()), be.prepare(step, Cache([], [], [], [], 16))
+    kc_np, vc_np, kc_d, vc_d = kc.np.copy(), vc.np.copy(), kc.dev.copy(), vc.dev.copy()
+    args = (proj.np[:, :nq], proj.np[:, nq:nq + nk_], proj.np[:, nq + nk_:nq + 2 * nk_], qn, kn)
+    q_w, g_w = ref.attn_prep(*args, kc_np, vc_np, mr, hd, 1e7, 1e-6, gated=False)
+    q, gate = be.attn_prep(proj.dev[:, :nq], proj.dev[:, nq:nq + nk_], proj.dev[:, nq + nk_:nq + 2 * nk_],
+                           cupy.asarray(qn), cupy.asarray(kn), kc_d, vc_d, m, hd, 1e7, 1e-6, gated=False)
+    assert g_w is None and gate is None
+    assert rel(be.to_host(q), q_w) <= BF16_TOL
+    sm = mr.slot_mapping
+    assert rel(be.to_host(kc_d).reshape(-1, nkv, hd)[sm], kc_np.reshape(-1, nkv, hd)[sm]) <= BF16_TOL
+    assert rel(be.to_host(vc_d), vc_np) == 0.0
+    kv_only = kc.dev.copy(), vc.dev.copy()
+    assert be.attn_prep(None, proj.dev[:, nq:nq + nk_], proj.dev[:, nq + nk_:nq + 2 * nk_], None, cupy.asarray(kn),
+                        *kv_only, m, hd, 1e7, 1e-6, gated=False) == (None, None)
+    assert rel(be.to_host(kv_only[0]), be.to_host(kc_d)) == 0.0 and rel(be.to_host(kv_only[1]), vc_np) == 0.0
+    q_np, kc2, vc2 = be.to_host(q), be.to_host(kc_d), be.to_host(vc_d)
+    want = ref.attention(q_np, None, kc2, vc2, mr, causal=causal, window=window)
+    got = be.attention(q, None, kc_d, vc_d, m, causal=causal, window=window)
+    assert rel(be.to_host(got), want) <= BF16_TOL
+
+
 @pytest.mark.parametrize("ctx", [1000, 5000])
 def test_attention_long_decode_split(be, ref, ctx):
     """Decode over a long paged context: split-K path with its combine."""

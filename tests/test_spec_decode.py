@@ -16,7 +16,7 @@ import pytest
 from engine import SamplingParams
 from engine.arrays import array_module, as_f32, to_numpy
 from engine.config import SpeculativeConfig
-from engine.drafter import NgramDrafter
+from engine.drafter import Drafter, NgramDrafter
 from engine.request import Request
 from engine.sampler import RowParams, Sampler
 from test_engine import Collect, drive, make, prompt
@@ -27,7 +27,7 @@ CPU_TOL, GPU_TOL = 2e-5, 3e-2
 GPU_NOISE = 0.12  # tests/test_engine.py: mean |dlogit| of bf16 batch-shape noise on the random 4B
 
 
-class Oracle:
+class Oracle(Drafter):
     """Proposes the recorded plain continuation of each prompt: its first `right` tokens as they are, the
     rest off by one (None: all right). Only prompts in `plain` get drafts; the others decode plainly."""
 
@@ -106,8 +106,8 @@ def test_cli_flag(tiny_dir, capsys):
                                    '"num_speculative_tokens": 2}'])
     assert engine_kwargs(a)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "mtp"}'])
-    assert e.value.code == 2 and "method 'mtp' is not supported" in capsys.readouterr().err
+        build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "eagle"}'])
+    assert e.value.code == 2 and "method 'eagle' is not supported" in capsys.readouterr().err
 
 
 def _fed(eng):
@@ -390,7 +390,7 @@ def test_rejection_sampling_matches_plain_distribution(tiny_dir):
     p2 = dict(zip(firsts, _probs(eng, [p0 + [t] for t in firsts], sp)))
     draft = {t: [int(np.argmax(p2[t]))] for t in firsts}
 
-    class MostLikely:
+    class MostLikely(Drafter):
         def propose(self, reqs, rooms):
             return [draft[req.output_ids[0]] if len(req.output_ids) == 1 else [] for req in reqs]
     got, eng, _, _ = run(tiny_dir, [p0] * n, [SamplingParams(**dict(vars(sp), seed=i)) for i in range(n)],

@@ -86,6 +86,7 @@ class CudaBackend:
         # in gemv_bf16's summation order (gemm_inv), decode attention split at fixed key offsets.
         self.batch_invariant = batch_invariant
         self._inv_freq: dict[tuple, cupy.ndarray] = {}
+        self._ungated: dict[int, cupy.ndarray] = {}
         dev = cupy.cuda.Device()
         self.num_sms = dev.attributes["MultiProcessorCount"]
         self.kernels = kernels.Kernels(dev.compute_capability)
@@ -134,7 +135,8 @@ class CudaBackend:
         arrays = conv + rec  # copy_slots' table: base pointers, row bytes (rows are contiguous, 16-byte multiples)
         assert all(a.strides[0] % 16 == 0 for a in arrays)
         rows = (cupy.asarray(np.array([a.data.ptr for a in arrays], np.uint64)),
-                cupy.asarray(np.array([a.strides[0] for a in arrays], np.int64)), max(a.strides[0] for a in arrays))
+                cupy.asarray(np.array([a.strides[0] for a in arrays], np.int64)),
+                max((a.strides[0] for a in arrays), default=0))  # no state arrays: the DFlash drafter's cache
         return Cache(
             conv=conv, rec=rec,
             k=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
@@ -425,33 +427,47 @@ class CudaBackend:
             self._inv_freq[key] = cupy.asarray(inv)
         return self._inv_freq[key]
 
-    def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta: Meta, rotary_dim, theta, eps):
-        """Returns (q [T, nh, hd] contiguous, gate: a [T, nh, hd] strided view into q_gate, no copy)."""
-        hd = q_norm.shape[0]
-        T = q_gate.shape[0]
-        nh = q_gate.shape[1] // (2 * hd)
+    def attn_prep(self, q_gate, k, v, q_norm, k_norm, k_cache, v_cache, meta: Meta, rotary_dim, theta, eps,
+                  gated=True):
+        """Returns (q [T, nh, hd] contiguous, gate: a [T, nh, hd] strided view into q_gate, no copy).
+        gated False: q_gate is q alone (per-head stride hd; gate None), or None (K/V only: no q jobs)."""
+        hd = k_norm.shape[0]
+        T = k.shape[0]
         nkv = k_cache.shape[2]
-        q = self._empty((T, nh, hd))
-        sqg = _rs(q_gate)
-        gate = cupy.ndarray((T, nh, hd), cupy.uint16, q_gate.data + hd * 2,
-                            strides=(int(sqg) * 2, 2 * hd * 2, 2))
+        nh = 0 if q_gate is None else q_gate.shape[1] // ((2 if gated else 1) * hd)
+        q = self._empty((T, nh, hd)) if nh else None
+        sqg = _rs(q_gate) if nh else i64(0)
+        gate = None
+        if gated and nh:
+            gate = cupy.ndarray((T, nh, hd), cupy.uint16, q_gate.data + hd * 2, strides=(int(sqg) * 2, 2 * hd * 2, 2))
         if T:
             self._fn("attention.cu", "attn_prep")(
                 (T,), (128,),
-                (q_gate, sqg, k, _rs(k), v, _rs(v), q_norm, k_norm, q, k_cache, v_cache, meta.slot_mapping,
-                 meta.positions, self._freqs(rotary_dim, theta), i32(nh), i32(nkv), i32(hd), i32(rotary_dim),
-                 f32(eps)), shared_mem=4 * hd * 4)
+                (k if q_gate is None else q_gate, sqg, k, _rs(k), v, _rs(v), k_norm if q_norm is None else q_norm,
+                 k_norm, k if q is None else q, k_cache, v_cache, meta.slot_mapping, meta.positions,
+                 self._freqs(rotary_dim, theta), i32(nh), i32(nkv), i32(hd), i32(rotary_dim), f32(eps),
+                 i32((2 if gated else 1) * hd)), shared_mem=4 * hd * 4)
         return q, gate
 
-    def attention(self, q, gate, k_cache, v_cache, meta: Meta):
+    def _no_gate(self, hd: int) -> cupy.ndarray:
+        """A gate of bf16 +inf for every (token, head), as a [1, 1, hd] row read with zero strides:
+        sigmoid(+inf) = 1 exactly, so the attention kernels' output is ungated (DFlash)."""
+        if hd not in self._ungated:
+            self._ungated[hd] = cupy.full((1, 1, hd), 0x7F80, cupy.uint16)
+        return self._ungated[hd]
+
+    def attention(self, q, gate, k_cache, v_cache, meta: Meta, causal=True, window=0):
         """Decode rows: attn_fwd (CUDA cores, split-K over long contexts; each row sees the keys up to its own
         position). A step with a sequence of more than one new token: the leading decodes and verifies (a
         verify's 1 + k rows are decode-sized queries) still go to attn_fwd, every later sequence to
-        attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it."""
+        attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it. Not causal or windowed (the DFlash drafter's 16-token blocks): attn_fwd for
+        every token, given each token's last key (its sequence's, when not causal) and the window."""
         T, nh, hd = q.shape
         bs, nkv = k_cache.shape[1], k_cache.shape[2]
         G = nh // nkv
         assert hd in kernels.ATTN_HD and G in kernels.ATTN_G and q.flags.c_contiguous
+        if gate is None:
+            gate = cupy.ndarray((T, nh, hd), cupy.uint16, self._no_gate(hd).data, strides=(0, 0, 2))
         if gate.ndim == 2:
             gate = gate.reshape(T, nh, hd)
         sg_t, sg_h = gate.strides[0] // 2, gate.strides[1] // 2
@@ -461,7 +477,7 @@ class CudaBackend:
             return out
         bt = meta.block_tables
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
-        if meta.max_new > 1 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0:
+        if causal and not window and meta.max_new > 1 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0:
             if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
                 tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec)
                 meta.prefill_tiles = (G, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
@@ -493,10 +509,11 @@ class CudaBackend:
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)
         else:
             part_acc = part_ml = out  # unused
+        last = meta.positions if causal else meta.seq_lens[meta.tok_seq] - 1  # each token's last key
         self._fn("attention.cu", f"attn_fwd<{hd}, {G}>")(
             (nsplit, nkv, n_dec), (128,),
-            (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, meta.positions,
-             i32(nkv), i32(bs), i32(chunk), f32(hd ** -0.5), out, part_acc, part_ml))
+            (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, last,
+             i32(nkv), i32(bs), i32(chunk), i32(window), f32(hd ** -0.5), out, part_acc, part_ml))
         if nsplit > 1:
             self._fn("attention.cu", "attn_combine")((n_dec * nh,), (128,),
                                                 (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
