@@ -1,12 +1,14 @@
 """Oracle drafters for benchmarking speculative decoding (tools/bench_spec.py): they propose the target's
 own greedy continuation, recorded from a plain run of the same prompts, so the acceptance rate is set by
-construction rather than by a draft model. Same `propose(reqs, rooms)` as engine/drafter.py's drafters."""
+construction rather than by a draft model. A Drafter (engine/drafter.py) that needs no capture."""
 from __future__ import annotations
 
 import numpy as np
 
+from engine.drafter import Drafter
 
-class RecordedOracle:
+
+class RecordedOracle(Drafter):
     """Each draft is the recorded token with probability p, independently per position (seeded), else
     (t + 1) % vocab, which the target never emits there; p = 1 is the accept-all oracle. A request whose
     prompt was not recorded, or that has run past its recording, gets no drafts (it decodes plainly)."""
