@@ -167,7 +167,8 @@ class Engine:
                                               capture_now=True,
                                               # verifies' padded rows fit the dummy page: K < block_size
                                               verify_k=plan.spec_tokens if plan.spec_tokens < a.block_size else 0,
-                                              dummy_spec_row=plan.num_rows - plan.spec_tokens)
+                                              dummy_spec_row=plan.num_rows - plan.spec_tokens,
+                                              capture=self.drafter.capture if self.drafter is not None else None)
         log.info("engine ready in %.1f s (config and weights %.1f s; cache, kernels, warm-up and graphs %.1f s)",
                  time.perf_counter() - t_start, t_weights - t_start, time.perf_counter() - t_weights)
         self.max_model_len = max_len

@@ -139,12 +139,16 @@ class ModelRunner:
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
         record = None
-        if self.capture is not None:  # eager: the decode graphs do not capture activations (yet)
-            logits, captured = self.model.forward(step, self.cache, self.capture)
+        graphs = self.graphs if self.graphs is not None and self.graphs.kind(step) is not None else None
+        if graphs is not None and self.capture not in (None, graphs.capture):
+            graphs = None  # the graphs keep other activations than the drafter needs: eager
+        if self.capture is not None:
+            logits, captured = (graphs.run(step, with_capture=True) if graphs is not None
+                                else self.model.forward(step, self.cache, self.capture))
             record = StepRecord(captured, [(req, req.num_computed, int(step.cu_seqlens[i]), n)
                                            for i, (req, n) in enumerate(batch)])
-        elif self.graphs is not None and self.graphs.kind(step) is not None:
-            logits = self.graphs.run(step)  # every sequence decodes one token, or verifies K drafts
+        elif graphs is not None:
+            logits = graphs.run(step)  # every sequence decodes one token, or verifies K drafts
         else:
             logits = self.model.forward(step, self.cache)
         if at_end:

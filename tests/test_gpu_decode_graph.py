@@ -198,9 +198,11 @@ def test_graph_rejects_non_decode(request):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny3"])
 def test_graph_verify_bit_exact(request, preset):
-    """Uniform verifies of K drafts (speculative decoding) replay from their own graphs: logits, the slots'
-    states and every rollback row equal eager execution of the padded step bit for bit, padded rows write
-    only the dummy slot, page and rollback rows, and a decode step still replays its own graph after."""
+    """Uniform verifies of K drafts (speculative decoding) replay from their own graphs: logits, the
+    activations a drafter reads (a capture), the slots' states and every rollback row equal eager execution
+    of the padded step bit for bit, padded rows write only the dummy slot, page and rollback rows, and a
+    decode step still replays its own graph after."""
+    from engine.model import Capture
     model = _model(request, preset)
     B, K, steps = 3, 3, 3
     w = World(model, B, steps * (1 + K), seed=5 + len(preset), extra_rows=(B + 1) * K)
@@ -209,7 +211,8 @@ def test_graph_verify_bit_exact(request, preset):
     eager_c, plain_c = copy_cache(w.cache), copy_cache(w.cache)
     before = host(w.cache)
     graphs = DecodeGraphs(model, w.cache, max_num_seqs=4, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
-                          max_blocks_per_seq=w.width, verify_k=K, dummy_spec_row=dummy_rows)
+                          max_blocks_per_seq=w.width, verify_k=K, dummy_spec_row=dummy_rows,
+                          capture=Capture(post_norm=True, taps=(0,)))
     pos = list(w.lens)
     worst = 0.0
     for s in range(steps):
@@ -217,10 +220,15 @@ def test_graph_verify_bit_exact(request, preset):
         st = Step.build([([int(t) for t in toks[i]], pos[i], w.slots[i], w.blocks[i]) for i in range(B)],
                         [1 + K] * B, spec=spec)
         assert graphs.kind(st) == K
-        got = cupy.asnumpy(graphs.run(st))
-        want = cupy.asnumpy(graphs.eager(st, eager_c))
+        got, got_cap = graphs.run(st, with_capture=True)
+        want, want_cap = graphs.eager(st, eager_c, with_capture=True)
+        got, want = cupy.asnumpy(got), cupy.asnumpy(want)
         plain = cupy.asnumpy(model.forward(st, plain_c))
         assert got.shape == (B * (1 + K), model.cfg.vocab_size)
+        assert sorted(got_cap) == ["post_norm", "taps"]
+        for name in got_cap:
+            assert got_cap[name].shape[0] == B * (1 + K)
+            assert np.array_equal(bits(cupy.asnumpy(got_cap[name])), bits(cupy.asnumpy(want_cap[name]))), name
         assert np.array_equal(bits(got), bits(want)), f"step {s}: replay != eager padded"
         worst = max(worst, rel(got, plain))
         pos = [p + 1 + K for p in pos]

@@ -73,6 +73,7 @@ class _Captured:
     buf: cupy.ndarray      # static int32 metadata buffer (CudaBackend.prepare layout)
     graph: object          # cupy.cuda.graph.Graph
     logits: cupy.ndarray   # static [bucket * (1 + k), vocab] f32 output
+    captured: dict | None  # static activations a drafter reads (DecodeGraphs.capture), every row
     staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
@@ -81,13 +82,14 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, model, cache, max_num_seqs: int, dummy_slot: int, dummy_block: int,
                  max_blocks_per_seq: int, capture_now: bool = False, verify_k: int = 0,
-                 dummy_spec_row: int | None = None):
+                 dummy_spec_row: int | None = None, capture=None):
         """model: a Qwen35Model on a CudaBackend; cache: the cache the graphs are bound to (its arrays'
         addresses are baked into the graphs); max_blocks_per_seq: block-table width of every graph
         (the longest context a replay supports is max_blocks_per_seq * block_size). capture_now:
         capture every bucket here (largest first) instead of on first use. verify_k: also replay uniform
         verifies of that many drafts (0: none); dummy_spec_row: the first of verify_k cache rows that
-        padded verify rows write their per-token states to."""
+        padded verify rows write their per-token states to. capture: a model.Capture every graph also keeps
+        (a speculative drafter's: run(..., with_capture=True))."""
         if not getattr(model.ops, "decode_graphs", False):
             raise ValueError(f"DecodeGraphs needs a backend that captures CUDA graphs, not {model.ops.name!r}")
         if max_blocks_per_seq < 1:
@@ -105,7 +107,7 @@ class DecodeGraphs:
         if verify_k and not (1 <= verify_k < self.block_size and dummy_spec_row is not None):
             raise ValueError(f"verify_k {verify_k} needs 1 <= verify_k < block_size ({self.block_size}) (padded "
                              "rows fit the dummy page) and dummy_spec_row")
-        self.verify_k, self.dummy_spec_row = verify_k, dummy_spec_row
+        self.verify_k, self.dummy_spec_row, self.capture = verify_k, dummy_spec_row, capture
         if capture_now:
             self.capture_all()
 
@@ -207,15 +209,15 @@ class DecodeGraphs:
         dummy = self._padded(None, bucket, k)  # an all-padding step: every row decodes into the dummy slot / page
         buf = cupy.zeros(self.ops.meta_size(bucket * n, bucket, bucket * n, W), cupy.int32)
         meta = self._meta(dummy, self.cache, out=buf)
-        self.model.forward_meta(meta, self.cache)  # warm-up: kernels, GEMM plans, workspace, RoPE tables
+        self.model.forward_meta(meta, self.cache, self.capture)  # warm-up: kernels, GEMM plans, workspace, RoPE tables
         cupy.cuda.get_current_stream().synchronize()
         s = self.stream
         with cupy.cuda.using_allocator(self.pool.malloc), s:
-            self.model.forward_meta(meta, self.cache)  # primes the private pool on the capture stream, so
+            self.model.forward_meta(meta, self.cache, self.capture)  # primes the private pool on the capture stream, so
             s.synchronize()                            # the capture finds its blocks cached (no cudaMalloc)
             s.begin_capture()
             try:
-                logits = self.model.forward_meta(meta, self.cache)
+                out = self.model.forward_meta(meta, self.cache, self.capture)
             except BaseException:
                 try:
                     s.end_capture()
@@ -226,7 +228,8 @@ class DecodeGraphs:
         graph.upload(cupy.cuda.get_current_stream())
         mem = cupy.cuda.alloc_pinned_memory(buf.nbytes)
         staging = np.frombuffer(mem, np.int32, buf.size)
-        g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, staging,
+        logits, captured = out if self.capture is not None else (out, None)
+        g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, captured, staging,
                                                cupy.cuda.Event(disable_timing=True), mem)
         return g
 
@@ -236,9 +239,10 @@ class DecodeGraphs:
                 self.capture(b, k)
 
     # ---- replay ------------------------------------------------------------------------------
-    def run(self, step: Step) -> cupy.ndarray:
+    def run(self, step: Step, with_capture: bool = False):
         """Logits [T, vocab] f32 of a pure decode step or a uniform verify, replayed from the bucket's graph
-        (captured on first use). A view into the graph's static output, valid until the next run()."""
+        (captured on first use). A view into the graph's static output, valid until the next run().
+        with_capture: (logits, the capture's arrays of the step's T rows), views likewise."""
         pstep = self.pad(step)  # validates the step first
         g = self.capture(pstep.num_seqs, self.kind(step))
         stream = cupy.cuda.get_current_stream()
@@ -246,11 +250,17 @@ class DecodeGraphs:
         self.ops.prepare(pstep, self.cache, out=g.buf, max_ctx=self.max_ctx, staging=g.staging)  # async H2D
         g.copied.record(stream)
         g.graph.launch(stream)
-        return g.logits[:len(step.tokens)]
+        T = len(step.tokens)
+        if with_capture:
+            return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
+        return g.logits[:T]
 
-    def eager(self, step: Step, cache=None) -> cupy.ndarray:
+    def eager(self, step: Step, cache=None, with_capture: bool = False):
         """What run() computes, executed eagerly (padded, same max_ctx) on `cache` (default: the bound
-        one): the bit-exact reference for a replay. Returns fresh logits [B, vocab]."""
+        one): the bit-exact reference for a replay. Returns fresh logits [T, vocab] (and the capture's)."""
         cache = self.cache if cache is None else cache
-        pstep = self.pad(step)
-        return self.model.forward_meta(self._meta(pstep, cache), cache)[:len(step.tokens)]
+        T = len(step.tokens)
+        out = self.model.forward_meta(self._meta(self.pad(step), cache), cache, self.capture if with_capture else None)
+        if with_capture:
+            return out[0][:T], {name: a[:T] for name, a in out[1].items()}
+        return out[:T]
