@@ -140,7 +140,7 @@ class ModelRunner:
             self.ops.copy_slots(self.cache, *plan.restore_ids)
         record = None
         graphs = self.graphs if self.graphs is not None and self.graphs.kind(step) is not None else None
-        if graphs is not None and self.capture not in (None, graphs.capture):
+        if graphs is not None and self.capture not in (None, graphs.keep):
             graphs = None  # the graphs keep other activations than the drafter needs: eager
         if self.capture is not None:
             logits, captured = (graphs.run(step, with_capture=True) if graphs is not None

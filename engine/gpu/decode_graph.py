@@ -73,7 +73,7 @@ class _Captured:
     buf: cupy.ndarray      # static int32 metadata buffer (CudaBackend.prepare layout)
     graph: object          # cupy.cuda.graph.Graph
     logits: cupy.ndarray   # static [bucket * (1 + k), vocab] f32 output
-    captured: dict | None  # static activations a drafter reads (DecodeGraphs.capture), every row
+    captured: dict | None  # static activations a drafter reads (DecodeGraphs.keep), every row
     staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
@@ -107,7 +107,7 @@ class DecodeGraphs:
         if verify_k and not (1 <= verify_k < self.block_size and dummy_spec_row is not None):
             raise ValueError(f"verify_k {verify_k} needs 1 <= verify_k < block_size ({self.block_size}) (padded "
                              "rows fit the dummy page) and dummy_spec_row")
-        self.verify_k, self.dummy_spec_row, self.capture = verify_k, dummy_spec_row, capture
+        self.verify_k, self.dummy_spec_row, self.keep = verify_k, dummy_spec_row, capture
         if capture_now:
             self.capture_all()
 
@@ -209,15 +209,17 @@ class DecodeGraphs:
         dummy = self._padded(None, bucket, k)  # an all-padding step: every row decodes into the dummy slot / page
         buf = cupy.zeros(self.ops.meta_size(bucket * n, bucket, bucket * n, W), cupy.int32)
         meta = self._meta(dummy, self.cache, out=buf)
-        self.model.forward_meta(meta, self.cache, self.capture)  # warm-up: kernels, GEMM plans, workspace, RoPE tables
+        # warm-up: kernels, GEMM plans, workspace, RoPE tables
+        self.model.forward_meta(meta, self.cache, self.keep)
         cupy.cuda.get_current_stream().synchronize()
         s = self.stream
         with cupy.cuda.using_allocator(self.pool.malloc), s:
-            self.model.forward_meta(meta, self.cache, self.capture)  # primes the private pool on the capture stream, so
-            s.synchronize()                            # the capture finds its blocks cached (no cudaMalloc)
+            # primes the private pool on the capture stream, so the capture finds its blocks cached (no cudaMalloc)
+            self.model.forward_meta(meta, self.cache, self.keep)
+            s.synchronize()
             s.begin_capture()
             try:
-                out = self.model.forward_meta(meta, self.cache, self.capture)
+                out = self.model.forward_meta(meta, self.cache, self.keep)
             except BaseException:
                 try:
                     s.end_capture()
@@ -228,7 +230,7 @@ class DecodeGraphs:
         graph.upload(cupy.cuda.get_current_stream())
         mem = cupy.cuda.alloc_pinned_memory(buf.nbytes)
         staging = np.frombuffer(mem, np.int32, buf.size)
-        logits, captured = out if self.capture is not None else (out, None)
+        logits, captured = out if self.keep is not None else (out, None)
         g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, captured, staging,
                                                cupy.cuda.Event(disable_timing=True), mem)
         return g
@@ -260,7 +262,7 @@ class DecodeGraphs:
         one): the bit-exact reference for a replay. Returns fresh logits [T, vocab] (and the capture's)."""
         cache = self.cache if cache is None else cache
         T = len(step.tokens)
-        out = self.model.forward_meta(self._meta(self.pad(step), cache), cache, self.capture if with_capture else None)
+        out = self.model.forward_meta(self._meta(self.pad(step), cache), cache, self.keep if with_capture else None)
         if with_capture:
             return out[0][:T], {name: a[:T] for name, a in out[1].items()}
         return out[:T]
