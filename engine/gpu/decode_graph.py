@@ -11,9 +11,10 @@ How a step is run
 - The step is padded to its bucket (BUCKETS, then +16 up to max_num_seqs). Padded rows decode token 0
   at position 0 (seq_len 1) into the reserved dummy state slot, with block-table row [dummy_block, ...]:
   they write and read only the dummy slot's conv/recurrent state and row 0 of the dummy KV page, so no
-  kernel needs a mask and real sequences are never touched. A padded verify row set decodes 1 + K tokens at
-  positions 0..K of the dummy page and keeps its per-token states in K dummy rollback rows (dummy_spec_row). (Several padded rows share the dummy slot,
-  so its contents are garbage; nothing real ever reads it.)
+  kernel needs a mask and real sequences are never touched. (Several padded rows share the dummy slot,
+  so its contents are garbage; nothing real ever reads it.) A padded verify sequence decodes 1 + K
+  tokens at positions 0..K of the dummy page and keeps its per-token states in K dummy rollback rows
+  (dummy_spec_row).
 - All metadata (tokens, positions, cu_seqlens, slots, seq_lens, slot_mapping, tok_seq, logits_rows,
   block tables max_blocks_per_seq wide) lives in one static int32 device buffer per bucket;
   CudaBackend.prepare(..., out=buffer, max_ctx=self.max_ctx, staging=pinned) refills it with one
