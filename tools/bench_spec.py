@@ -318,6 +318,7 @@ def main(argv=None) -> dict:
                     help="(c) a drafter, as the engine's --speculative-config (repeatable)")
     ap.add_argument("--accept", action="append", default=[], metavar="NAME=P1/P2/...",
                     help="(d) a per-position acceptance vector (default: issue #19's MTP and DFlash)")
+    ap.add_argument("--trace-steps", metavar="FILE", help="every engine's step trace (tools/trace_report.py)")
     ap.add_argument("--commit", help="the code's commit, if the tree's .git is stale")
     ap.add_argument("--json")
     ap.add_argument("--md")
@@ -349,7 +350,7 @@ def measure(a) -> dict:
     verify_ks, batches, levels_c = _ints(a.verify_ks) if "a" in sections else [], _ints(a.batches), _ints(a.concurrency)
     oracle_ks = _ints(a.k) if "b" in sections else []
     kw = dict(device=a.device, max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
-              max_num_seqs=max(batches + levels_c))
+              max_num_seqs=max(batches + levels_c), trace_steps=a.trace_steps)
     rng = np.random.default_rng(0)
     levels = {c: [rng.integers(0, TOKENS, a.input_len).tolist() for _ in range(a.prompts_per_level or max(4, 2 * c))]
               for c in levels_c}
