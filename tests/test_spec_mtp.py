@@ -16,13 +16,14 @@ from engine import SamplingParams
 from engine.arrays import bf16_to_f32, to_numpy
 from engine.config import ModelConfig, SpeculativeConfig
 from engine.drafter import StepRecord
+from engine.memory import unit_bytes
 from engine.model import Capture, Qwen35Model
 from engine.mtp import MtpDrafter
 from engine.ops import make_backend
 from engine.request import Request, Status
 from engine.step import Step
 from engine.weights import load_weights, read_safetensors
-from test_engine import Collect, drive, make, prompt
+from test_engine import drive, make, prompt
 from test_spec_decode import assert_idle, run
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -309,11 +310,11 @@ def test_config(tiny_dir):
     """method mtp parses (vLLM's keys); the cache has the head's KV layer, its blocks counted by the memory plan;
     prefix caching stays exclusive. (A checkpoint without mtp.*: tests/test_loading.py.)"""
     assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}').method == "mtp"
-    plain, _ = make(tiny_dir, max_num_seqs=2, kv_cache_memory=8 << 20)
-    eng, _ = make(tiny_dir, max_num_seqs=2, kv_cache_memory=8 << 20, speculative_config=MTP)
-    assert len(eng.runner.cache.k) == len(plain.runner.cache.k) + 1
+    plain, _ = make(tiny_dir, max_num_seqs=2, num_kv_blocks=20)
+    eng, _ = make(tiny_dir, max_num_seqs=2, num_kv_blocks=20, speculative_config=MTP)
     nk = len(plain.runner.cache.k)
-    assert eng.kv.num_blocks < plain.kv.num_blocks * nk / (nk + 1) * 1.01  # blocks a third bigger (2 -> 3 layers)
+    assert len(eng.runner.cache.k) == nk + 1
+    assert unit_bytes(eng.runner.model, 16)[1] * nk == unit_bytes(plain.runner.model, 16)[1] * (nk + 1)
     assert isinstance(eng.drafter, MtpDrafter) and eng.drafter.k is eng.runner.cache.k[-1]
     with pytest.raises(ValueError, match="prefix caching"):
         make(tiny_dir, speculative_config=MTP, enable_prefix_caching=True)
