@@ -89,20 +89,17 @@ class Qwen35Model:
                 x = self.attention(L, h, meta, cache.k[full], cache.v[full])
                 full += 1
             x, residual = self.mlp(L, x, residual)
-        rows = meta.step.logits_rows
-        out = {}
-        if capture is None or not (capture.post_norm or len(self.layers) - 1 in capture.taps):
+        rows, last = meta.step.logits_rows, len(self.layers) - 1
+        if capture is None or not (capture.post_norm or last in capture.taps):
             h, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)
+            logits = ops.linear(h, self.lm_head)
         else:  # the final norm over every row
             h, residual = ops.add_rms_norm(x, residual, self.norm, eps)
-            taps.keep(len(self.layers) - 1, residual)
-            out = {"post_norm": h} if capture.post_norm else {}
-            h = ops.gather_rows(h, rows)
+            taps.keep(last, residual)
+            logits = ops.linear(ops.gather_rows(h, rows), self.lm_head)
         if capture is None:
-            return ops.linear(h, self.lm_head)
-        if capture.taps:
-            out["taps"] = taps.out
-        return ops.linear(h, self.lm_head), out
+            return logits
+        return logits, ({"post_norm": h} if capture.post_norm else {}) | ({"taps": taps.out} if capture.taps else {})
 
     def mlp(self, L, x, residual):
         """The second half of a decoder layer: residual += x (the token mixer's output), the post-attention

@@ -108,6 +108,21 @@ def test_visual_and_mtp_ignored_and_text_only_names(ckpt):
     assert not any(k.startswith(("visual", "mtp")) for k in w)
 
 
+def test_mtp_head_loaded_for_the_mtp_drafter(ckpt):
+    """mtp=True (speculative method "mtp") loads the 15 mtp.* tensors under their names; a checkpoint without
+    them is refused with a message that says so, and one missing a tensor names it."""
+    cfg = ModelConfig.from_dir(ckpt)
+    w = load_weights(ckpt, cfg, mtp=True)
+    assert {k: v.shape for k, v in w.items() if k.startswith("mtp.")} == mtp_shapes(cfg)
+    _rewrite(ckpt, lambda t: t.pop("mtp.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(WeightError, match=r"missing tensor mtp\.layers\.0\.mlp\.up_proj\.weight"):
+        load_weights(ckpt, cfg, mtp=True)
+    _rewrite(ckpt, lambda t: [t.pop(k) for k in list(t) if k.startswith("mtp.")])
+    load_weights(ckpt, cfg)  # serves plainly
+    with pytest.raises(WeightError, match=r"no mtp\.\* tensors .* speculative method 'mtp'"):
+        load_weights(ckpt, cfg, mtp=True)
+
+
 def test_make_model_writes_the_mtp_head_as_published(tiny_dir):
     """The checkpoint maker writes the MTP head at top level, 15 tensors (spec-decode-spec §1.2), and
     says so in the config; the loader skips it."""
