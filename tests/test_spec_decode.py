@@ -183,9 +183,9 @@ def _record(store):
 
 def test_greedy_batch_of_16_equals_plain(target):
     """16 requests, every other one speculating (accepted-prefix 2), prompts of 3..93 tokens across
-    block boundaries: greedy tokens equal plain ones. GPU: a verify's rows take the prefill kernels where
-    plain decoding takes the decode kernels, so a greedy token may flip within bf16 noise (as
-    tests/test_engine.py): equal up to the flip, and the logits there within GPU_NOISE (mean |dlogit|)."""
+    block boundaries: greedy tokens equal plain ones. GPU: a verify step of more than 16 rows takes cublasLt
+    GEMMs where plain decoding takes the GEMV (and mixed steps differ), so a greedy token may flip within bf16
+    noise (as tests/test_engine.py): equal up to the flip, and the logits there within GPU_NOISE."""
     prompts = [prompt(20 + i, 3 + 6 * i) for i in range(16)]
     sp = SamplingParams(max_tokens=16, **GREEDY)
     la, lb = {}, {}
