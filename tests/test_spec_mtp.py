@@ -24,7 +24,7 @@ from engine.request import Request, Status
 from engine.step import Step
 from engine.weights import load_weights, read_safetensors
 from test_engine import drive, make, prompt
-from test_spec_decode import assert_idle, run
+from test_spec_decode import GPU_NOISE, _record, assert_idle, run
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
@@ -324,8 +324,9 @@ def test_config(tiny_dir):
 @pytest.mark.gpu
 def test_gpu_greedy_equals_plain(request):
     """The 4B checkpoint (QWEN35_MODEL_4B or the random one): greedy MTP output equals plain greedy at c1 and
-    in a batch of 16 (one prompt of 4097 tokens), up to a flip within bf16 noise where the verify's rows take
-    the prefill kernels (as tests/test_spec_decode.py)."""
+    in a batch of 16 with one prompt of 4097 tokens. A verify's rows take the prefill kernels where plain
+    decoding takes the decode kernels, so a greedy token may flip within bf16 noise (as
+    tests/test_spec_decode.py): equal up to the flip, and the logits there within GPU_NOISE."""
     from conftest import gpu_or_skip
     gpu_or_skip()  # before the fixture writes a 4B checkpoint
     target = (request.getfixturevalue("model_4b_dir"), "cuda")
@@ -333,13 +334,17 @@ def test_gpu_greedy_equals_plain(request):
     sp = SamplingParams(max_tokens=24, **GREEDY)
     kw = dict(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=4200)
     for batch in (prompts[-1:], prompts):
-        want, _, _, _ = run(target, batch, sp, **kw)
-        got, eng, _, _ = run(target, batch, sp, MTP, **kw)
-        st = eng.stats()
-        assert st.spec_decode_num_drafts > 0
-        assert_idle(eng)
-        flips = [(a, b) for a, b in zip(want, got) if a != b]
-        assert len(flips) <= max(1, len(batch) // 8), flips  # bf16 noise flips a rare token, not a pattern
-        for a, b in flips:
-            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            assert a[:k] == b[:k]
+        logits, tokens = [{}, {}], []
+        for spec, seen in zip((None, MTP), logits):
+            eng, col = make(target, speculative_config=spec, **kw)
+            eng.runner.logits_hook = _record(seen)
+            rids = [eng.submit(p, sp, col) for p in batch]
+            drive(eng, col, rids, max_steps=2000)
+            eng.step()
+            assert_idle(eng)
+            tokens.append([col.tokens(r) for r in rids])
+        assert eng.stats().spec_decode_num_drafts > 0
+        for p, a, b in zip(batch, *tokens):
+            if a != b:
+                k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                assert np.abs(logits[0][(tuple(p), k)] - logits[1][(tuple(p), k)]).mean() <= GPU_NOISE, (len(p), k)
