@@ -347,20 +347,16 @@ def test_tiny_model_matches_numpy(tiny_dir, tiny3_dir):
         assert np.concatenate(dlps).mean() <= 0.1  # HF bf16 itself: ~0.055 from f32 here
 
 
-@pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
-def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
-    """Step.save_at (prefix caching): conv1d_state_update and gdn_chunk_state also write the state after
-    r new tokens to a snapshot row, as the reference does; everything else is unchanged."""
-    rng = np.random.default_rng(11)
-    lens = [1, 200, 130]
-    step = make_step(rng, lens, [9, 0, 0], 64, 16, num_slots=6)
-    step.save_at, step.save_rows = np.array([0, 128, 64], np.int32), np.array([0, 6, 7], np.int32)
-    T, C = sum(lens), 2 * nk * dk + nv * dv
+def _gdn_state_step(be, ref, rng, step, rows, nk, nv, dk, dv):
+    """conv1d and delta_rule of `step` on both backends from the same random state in `rows` cache rows:
+    outputs within bf16 rounding, conv rows equal (copies of bf16 inputs), recurrent rows within f32
+    rounding. Returns (the GPU metadata, the initial and the final recurrent rows)."""
+    T, C = len(step.tokens), 2 * nk * dk + nv * dv
     qkv, w = rnd(rng, T, C), rnd(rng, C, 4, scale=0.5)
     ab = rnd(rng, T, 2 * nv)
     A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
     dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
-    conv0, rec0 = rnd(rng, 8, 3, C), (rng.standard_normal((8, nv, dk, dv)) * 0.5).astype(np.float32)
+    conv0, rec0 = rnd(rng, rows, 3, C), (rng.standard_normal((rows, nv, dk, dv)) * 0.5).astype(np.float32)
     conv_np, rec_np = conv0.np.copy(), rec0.copy()
     mr = ref.prepare(step, _C())
     want_x = ref.conv1d(qkv.np, w.np, conv_np, mr)
@@ -371,9 +367,22 @@ def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
     got_o = be.delta_rule(qkv.dev, ab.dev[:, :nv], ab.dev[:, nv:], cupy.asarray(A_log), cupy.asarray(dt_bias),
                           rec_dev, m)
     assert rel(be.to_host(got_x), want_x) <= BF16_TOL and rel(be.to_host(got_o), want_o) <= BF16_TOL
-    assert rel(be.to_host(conv_dev), conv_np) == 0.0                   # rows 6, 7: copies of bf16 inputs
-    assert rel(be.to_host(rec_dev), rec_np) <= 2e-4
-    assert rel(be.to_host(rec_dev)[6:], rec0[6:]) > 0.1                 # the saves were written
+    assert rel(be.to_host(conv_dev), conv_np) == 0.0
+    rec = be.to_host(rec_dev)
+    assert rel(rec, rec_np) <= 2e-4
+    return m, rec0, rec
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
+def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
+    """Step.save_at (prefix caching): conv1d_state_update and gdn_chunk_state also write the state after
+    r new tokens to a snapshot row, as the reference does; everything else is unchanged."""
+    rng = np.random.default_rng(11)
+    lens = [1, 200, 130]
+    step = make_step(rng, lens, [9, 0, 0], 64, 16, num_slots=6)
+    step.save_at, step.save_rows = np.array([0, 128, 64], np.int32), np.array([0, 6, 7], np.int32)
+    m, rec0, rec = _gdn_state_step(be, ref, rng, step, 8, nk, nv, dk, dv)
+    assert rel(rec[6:], rec0[6:]) > 0.1                 # the saves (rows 6, 7) were written
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
@@ -385,24 +394,7 @@ def test_verify_keeps_the_state_after_each_token(be, ref, nk, nv, dk, dv):
     lens = [1, 4, 2, 90]
     step = make_step(rng, lens, [9, 20, 33, 0], 64, 16, num_slots=5)  # slots 0-4; rows 5-9 rollback rows
     step.spec_rows = np.array([-1, 5, 8, -1], np.int32)
-    T, C = sum(lens), 2 * nk * dk + nv * dv
-    qkv, w = rnd(rng, T, C), rnd(rng, C, 4, scale=0.5)
-    ab = rnd(rng, T, 2 * nv)
-    A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
-    dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
-    conv0, rec0 = rnd(rng, 10, 3, C), (rng.standard_normal((10, nv, dk, dv)) * 0.5).astype(np.float32)
-    conv_np, rec_np = conv0.np.copy(), rec0.copy()
-    mr = ref.prepare(step, _C())
-    want_x = ref.conv1d(qkv.np, w.np, conv_np, mr)
-    want_o = ref.delta_rule(qkv.np, ab.np[:, :nv], ab.np[:, nv:], A_log, dt_bias, rec_np, mr)
-    conv_dev, rec_dev = conv0.dev.copy(), cupy.asarray(rec0)
-    m = be.prepare(step, be_cache())
+    m, rec0, rec = _gdn_state_step(be, ref, rng, step, 10, nk, nv, dk, dv)
     assert (m.n_dec, m.n_rec) == (1, 3)
-    got_x = be.conv1d(qkv.dev, w.dev, conv_dev, m)
-    got_o = be.delta_rule(qkv.dev, ab.dev[:, :nv], ab.dev[:, nv:], cupy.asarray(A_log), cupy.asarray(dt_bias),
-                          rec_dev, m)
-    assert rel(be.to_host(got_x), want_x) <= BF16_TOL and rel(be.to_host(got_o), want_o) <= BF16_TOL
-    assert rel(be.to_host(conv_dev), conv_np) == 0.0                   # rollback rows: copies of bf16 inputs
-    assert rel(be.to_host(rec_dev), rec_np) <= 2e-4
-    assert all(rel(be.to_host(rec_dev)[r], rec0[r]) > 0.1 for r in (5, 6, 7, 8))  # written
-    assert rel(be.to_host(rec_dev)[9], rec0[9]) == 0.0                 # a 2-token verify writes one row
+    assert all(rel(rec[r], rec0[r]) > 0.1 for r in (5, 6, 7, 8))  # written
+    assert rel(rec[9], rec0[9]) == 0.0                              # a 2-token verify writes one row
