@@ -353,3 +353,15 @@ def test_gpu_greedy_equals_plain(request):
         if a != b:
             k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             assert np.abs(la[(tuple(p), k)] - lb[(tuple(p), k)]).mean() <= GPU_NOISE
+
+
+def test_long_context_greedy_equals_plain(tiny_dir):
+    """The MTP drafter over a 4097-token prompt (its first pass writes the head's KV for every prompt
+    position, chunk by chunk): greedy output equals plain greedy."""
+    prompts = [prompt(43, 4097)]
+    sp = SamplingParams(max_tokens=10, **GREEDY)
+    kw = dict(max_model_len=4200, max_num_batched_tokens=1024)
+    want, _, _, _ = run(tiny_dir, prompts, sp, **kw)
+    got, eng, _, _ = run(tiny_dir, prompts, sp, MTP, **kw)
+    assert got == want and eng.stats().spec_decode_num_drafts > 0
+    assert_idle(eng)
