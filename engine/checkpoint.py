@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .dflash import DFlashConfig, default_taps, dflash_shapes
 from .weights import expected_shapes, mtp_shapes
 
 _COMMON = dict(vocab_size=248320, conv_kernel=4, max_position_embeddings=262144)
@@ -66,14 +67,6 @@ _DFLASH = {"real": dict(num_layers=6, num_taps=8, num_heads=32, num_kv_heads=8, 
 DFLASH_MASK_ID = 248077  # the current 4B release's mask token
 
 
-def default_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """z-lab's build_target_layer_ids: target layers spread from 1 to T-3 (spec-decode-spec §2.1)."""
-    T, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [T // 2]
-    return [round(1 + i * (T - 4) / (n - 1)) for i in range(n)]
-
-
 def dflash_config_json(preset: str) -> dict:
     target = PRESETS[preset]
     d = _DFLASH["toy" if preset.startswith("tiny") else "real"]
@@ -95,8 +88,6 @@ def dflash_config_json(preset: str) -> dict:
 def make_dflash(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """A random DFlash drafter for the preset's target: config.json and one model.safetensors. Norms are
     plain w (used as w, not 1 + w: spec-decode-spec §2.2), so they are drawn around 1."""
-    from .dflash import DFlashConfig, dflash_shapes
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = dflash_config_json(preset)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import as_f32
+from .arrays import as_f32, to_numpy
 from .config import ConfigError, ModelConfig
 from .drafter import Drafter, StepRecord
 from .model import Capture
@@ -86,7 +86,6 @@ class DFlashConfig:
         rope = raw.get("rope_parameters") or {}
         taps = dcfg.get("target_layer_ids")
         if taps is None:
-            from .checkpoint import default_taps
             taps = default_taps(int(need("num_target_layers")), n)
         return cls(hidden_size=int(need("hidden_size")), intermediate_size=int(need("intermediate_size")),
                    layer_types=types, num_heads=nh, num_kv_heads=nkv, head_dim=int(need("head_dim")),
@@ -285,10 +284,19 @@ class DFlashDrafter(Drafter):
         out = [[] for _ in reqs]
         if busy:
             logits = self.block_logits([reqs[i] for i in busy], [rooms[i] for i in busy])
-            top = self.ops.to_host(self.ops.argmax_finite(logits))[:, 0].astype(np.int64).tolist()
+            top = to_numpy(self.ops.argmax_finite(logits))[:, 0].tolist()
             for i in busy:
                 out[i], top = top[:rooms[i]], top[rooms[i]:]
         return out
+
+
+def default_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's build_target_layer_ids: target layers spread from 1 to T-3 (spec-decode-spec §2.1)."""
+    T, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [T // 2]
+    return [round(1 + i * (T - 4) / (n - 1)) for i in range(n)]
+
 
 def scratch_pages(cfg: DFlashConfig, block_size: int) -> int:
     """Pages per draft row for block positions past the request's reservation: the pending position L is

@@ -129,8 +129,8 @@ class Engine:
         mtp = spec is not None and spec.method == "mtp"  # the MTP head: its weights, and its KV in the cache
         weights = load_weights(model_dir, cfg, mtp=mtp)
         model = Qwen35Model(cfg, weights, backend, draft_kv_layers=int(mtp))
-        # before the memory plan, which measures the free memory the weights leave
-        self.drafter = make_drafter(spec, model, weights, a.max_num_seqs) if spec else None  # tests swap in oracle drafters
+        # before the memory plan, which measures the free memory the weights leave (tests swap in oracle drafters)
+        self.drafter = make_drafter(spec, model, weights, a.max_num_seqs) if spec else None
         del weights  # the model and the drafter hold their own uploads
         t_weights = time.perf_counter()
         plan = plan_cache(model, a, max_len, spec.num_speculative_tokens if spec else 0, self.drafter)
@@ -150,7 +150,8 @@ class Engine:
                                    spec_rows=SpecRowPool(plan.num_slots + plan.num_snapshots, plan.spec_tokens,
                                                          plan.num_spec_sets) if spec else None)
         cache = model.alloc_cache(plan.num_rows, self.kv.num_blocks, a.block_size)
-        log.info(plan.describe(backend.name, model.weight_bytes() + (self.drafter.weight_bytes() if spec else 0), a))
+        log.info(plan.describe(backend.name, model.weight_bytes() + (self.drafter.weight_bytes() if spec else 0),
+                               a))
         if self.prefix is not None and not plan.num_snapshots:
             log.warning("prefix caching is on but the memory plan left no GDN state snapshots: every request is "
                         "served cold (give --num-state-snapshots)")
@@ -516,7 +517,6 @@ class Engine:
     def _emit(self, req: Request, out: RequestOutput) -> None:
         if self.prefix is not None:
             out.cached_tokens = req.cached_tokens
-
         try:
             req.sink(out)
         except Exception as e:  # noqa: BLE001 - a broken consumer must not take the loop down

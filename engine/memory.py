@@ -36,13 +36,14 @@ class CachePlan:
     num_snapshots: int = 0    # state rows after the slots (prefix caching), each slot_bytes
     num_spec_sets: int = 0    # speculative decoding: sets of spec_tokens rollback rows, after the snapshots
     spec_tokens: int = 0
+    draft_kv_layers: int = 0  # attention layers of each KV block that are a drafter's (MTP: 1), in block_bytes
 
     @property
     def num_rows(self) -> int:
         """State rows the cache is allocated with: slots, snapshots, rollback rows, and one more set of
         rollback rows for padding (a CUDA graph's padded verify rows write there)."""
-        return self.num_slots + self.num_snapshots + (self.num_spec_sets + bool(self.spec_tokens)) * self.spec_tokens
-    draft_kv_layers: int = 0  # attention layers of each KV block that are a drafter's (MTP: 1), in block_bytes
+        sets = self.num_spec_sets + bool(self.spec_tokens)
+        return self.num_slots + self.num_snapshots + sets * self.spec_tokens
 
     def describe(self, backend_name: str, weight_bytes: int, a: EngineArgs) -> str:
         gib, mib = 1 / (1 << 30), 1 / (1 << 20)

@@ -13,7 +13,8 @@ Speculative decoding: a decoding request with `drafts` (engine.py proposes them 
 is scheduled as a verify, its pending token and the drafts, 1 + k tokens (the drafts cut to what the
 budget leaves after one token for every decoding request); verifies go after the plain decodes, so
 single-token sequences still lead the step.
-After a verify that rejected a draft, `rewind` takes the request back to where the verify began.
+After a verify that rejected drafts, `rewind` takes back their positions (the runner rolled the state
+back to the last accepted token).
 
 With a PrefixCache (prefix_cache.py) admission first looks the prompt up: a hit starts the request
 at num_computed = cached_tokens with the hit's blocks shared, and reserves only the blocks it does

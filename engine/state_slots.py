@@ -39,7 +39,7 @@ class StateSlotPool:
 
 class SpecRowPool:
     def __init__(self, first_row: int, rows_per_set: int, num_sets: int):
-        self.rows_per_set, self.capacity = rows_per_set, num_sets
+        self.capacity = num_sets
         self._free = [first_row + i * rows_per_set for i in range(num_sets - 1, -1, -1)]
 
     @property

@@ -65,8 +65,9 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="GDN state snapshots kept for prefix caching (default: 4 per sequence, at most half the "
                          "memory the running sequences' KV leaves)")
     ap.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
-                         '"prompt_lookup_max": N, "prompt_lookup_min": M} (default: off)')
+                    help='speculative decoding, vLLM\'s keys: {"method": "ngram" | "mtp" | "dflash", '
+                         '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M (ngram), '
+                         '"model": DIR (dflash: the drafter)} (default: off)')
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:

@@ -71,7 +71,7 @@ class Meta:
     n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
     n_rec: int = 0    # leading decodes and verifies (verifies come next): the GDN token recurrence takes them
     # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
-    # number of leading single-token sequences)
+    # number of leading rows on attn_fwd: the decodes' and verifies')
     prefill_tiles: tuple | None = None
 
 
@@ -460,8 +460,9 @@ class CudaBackend:
         """Decode rows: attn_fwd (CUDA cores, split-K over long contexts; each row sees the keys up to its own
         position). A step with a sequence of more than one new token: the leading decodes and verifies (a
         verify's 1 + k rows are decode-sized queries) still go to attn_fwd, every later sequence to
-        attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it. Not causal or windowed (the DFlash drafter's 16-token blocks): attn_fwd for
-        every token, given each token's last key (its sequence's, when not causal) and the window."""
+        attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it. Not causal
+        or windowed (the DFlash drafter's 16-token blocks): attn_fwd for every token, given each token's last
+        key (its sequence's, when not causal) and the window."""
         T, nh, hd = q.shape
         bs, nkv = k_cache.shape[1], k_cache.shape[2]
         G = nh // nkv

@@ -246,8 +246,9 @@ class DecodeGraphs:
         """Logits [T, vocab] f32 of a pure decode step or a uniform verify, replayed from the bucket's graph
         (captured on first use). A view into the graph's static output, valid until the next run().
         with_capture: (logits, the capture's arrays of the step's T rows), views likewise."""
-        pstep = self.pad(step)  # validates the step first
-        g = self.capture(pstep.num_seqs, self.kind(step))
+        k = self._check(step)
+        pstep = self._padded(step, self.bucket_for(step.num_seqs), k)
+        g = self.capture(pstep.num_seqs, k)
         stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
         self.ops.prepare(pstep, self.cache, out=g.buf, max_ctx=self.max_ctx, staging=g.staging)  # async H2D
