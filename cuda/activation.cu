@@ -5,6 +5,7 @@
 extern "C" __global__ void silu_mul_kernel(const bf16_t* __restrict__ gu, long long sgu, bf16_t* __restrict__ out,
                                            int T, int F)
 {
+    pdl_enter();
     const int fv = F >> 3;
     const long long n = (long long)T * fv;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {

@@ -16,6 +16,7 @@ __device__ __forceinline__ void argmax_take(float& v, int& i, float v2, int i2) 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_finite_kernel(
     const float* __restrict__ x, long long sx, int V, int* __restrict__ out)
 {
+    pdl_enter();
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ int si[ARGMAX_THREADS / 32], sbad[ARGMAX_THREADS / 32];
     const float* row = x + blockIdx.x * sx;

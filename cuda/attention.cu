@@ -19,6 +19,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(
     const int* __restrict__ slot_mapping, const int* __restrict__ positions, const float* __restrict__ inv_freq,
     int nh, int nkv, int hd, int rd, float eps, int sqh)
 {
+    pdl_enter();
     extern __shared__ float sbuf[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float* buf = sbuf + warp * hd;
@@ -98,6 +99,7 @@ __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const int* __restrict__ positions, int nkv, int bs, int chunk, int window, float scale,
     bf16_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml)
 {
+    pdl_enter();
     constexpr int E = HD / 32;
     __shared__ float s_m[ATTN_WARPS][G], s_l[ATTN_WARPS][G];
     __shared__ float s_acc[ATTN_WARPS][G][HD];
@@ -183,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const bf16_t* __restrict__ gate,
     long long sg_t, long long sg_h, bf16_t* __restrict__ out, int nh, int hd, int nsplit)
 {
+    pdl_enter();
     const long long row = blockIdx.x;  // t * nh + h
     const long long t = row / nh, h = row % nh;
     float M = NEG_INF;

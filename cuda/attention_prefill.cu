@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     int bt_stride, const int* __restrict__ tiles, const int* __restrict__ positions, int nkv, int G, int bs_shift,
     float scale_log2, bf16_t* __restrict__ out)
 {
+    pdl_enter();
     constexpr int CPR = HD / 8;   // 16-byte chunks per smem row
     constexpr int RB = HD * 2;    // bytes per smem row
     constexpr int KS = HD / 16;   // k-steps of Q K^T

@@ -6,6 +6,16 @@
 
 typedef unsigned short bf16_t;
 
+// Programmatic dependent launch (engine/gpu/launch.py), the first thing every kernel does: wait until the
+// kernels before it in the stream have finished (their writes visible), then let the next kernel's blocks be
+// scheduled. Both are no-ops for a kernel launched without the PDL attribute.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
 
 // round to nearest even (as torch does); NaN stays NaN

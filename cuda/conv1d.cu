@@ -19,6 +19,7 @@ __global__ void __launch_bounds__(128) conv1d_fwd(
     bf16_t* __restrict__ out, const int* __restrict__ tok_seq, const int* __restrict__ cu,
     const int* __restrict__ slots, int T, int C, int TT)
 {
+    pdl_enter();
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (c >= C) return;
     const int t0 = blockIdx.y * TT, t1 = min(T, t0 + TT);
@@ -80,6 +81,7 @@ extern "C" __global__ void conv1d_state_update(const bf16_t* __restrict__ x, lon
                                                const int* __restrict__ save_at, const int* __restrict__ save_rows,
                                                const int* __restrict__ spec_rows, int C, int K)
 {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int b = blockIdx.y;

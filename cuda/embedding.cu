@@ -5,6 +5,7 @@
 extern "C" __global__ void gather_rows_kernel(const int* __restrict__ idx, const bf16_t* __restrict__ table,
                                               bf16_t* __restrict__ out, int H)
 {
+    pdl_enter();
     const long long src = idx[blockIdx.x];
     const uint4* s = reinterpret_cast<const uint4*>(table + src * H);
     uint4* d = reinterpret_cast<uint4*>(out + (long long)blockIdx.x * H);

@@ -23,6 +23,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
     bf16_t* __restrict__ out,                       // [T, nv*dv]
     int nk, int nv, int dv)
 {
+    pdl_enter();
     constexpr int R = DK / GDN_WARPS;
     __shared__ float s_q[DK], s_k[DK];
     __shared__ float s_red[2][GDN_WARPS];
@@ -144,6 +145,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     const int* __restrict__ cu, float* __restrict__ W, float* __restrict__ U, float* __restrict__ P,
     float* __restrict__ Qs, float* __restrict__ Ks, float* __restrict__ aux, int nk, int nv, int dv)
 {
+    pdl_enter();
     extern __shared__ __align__(16) float smem[];
     constexpr int KS = DK + 1;                  // padded row: column reads across rows are conflict-free
     constexpr int AS = GDN_C + 4;               // A row: float4 reads
@@ -352,6 +354,7 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     const int* __restrict__ cu, const int* __restrict__ slots, const int* __restrict__ save_at,
     const int* __restrict__ save_rows, bf16_t* __restrict__ out, int nv, int dv)
 {
+    pdl_enter();
     constexpr int LW = DK + 4, LK = DK + 8, LP = GDN_C + 4, LN = 40;
     extern __shared__ __align__(16) float smem[];
     unsigned* sSh = reinterpret_cast<unsigned*>(smem);   // [DK][LN] S, hi

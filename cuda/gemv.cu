@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     void* __restrict__ y,                         // [M, N] contiguous, bf16 or f32
     int M, int N, int K)
 {
+    pdl_enter();
     constexpr int ROWS = 16 * R, COLS = 8 * MT;
     extern __shared__ float red[];  // [NW][COLS][ROWS]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -250,6 +251,7 @@ __global__ void __launch_bounds__(256, 2) gemm_inv(
     const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, void* __restrict__ y,
     int M, int N, int K, int nw)
 {
+    pdl_enter();
     __shared__ uint4 sm[GI_STAGES][(GI_BN + GI_BM) * 4];  // per stage: W rows, then x rows; 4 uint4 per row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tg = lane & 3;

@@ -7,6 +7,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_kernel(
     const bf16_t* __restrict__ x, bf16_t* res, bf16_t* __restrict__ y, const float* __restrict__ w,
     int H, float eps, int has_res)
 {
+    pdl_enter();
     __shared__ float red[33];
     const long long row = blockIdx.x;
     const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
@@ -48,6 +49,7 @@ extern "C" __global__ void __launch_bounds__(128) gated_rms_norm_kernel(
     const bf16_t* __restrict__ o, const bf16_t* __restrict__ z, long long zs, bf16_t* __restrict__ y,
     const float* __restrict__ w, int rows, int nh, int dv, float eps)
 {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;

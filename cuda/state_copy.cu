@@ -8,6 +8,7 @@
 extern "C" __global__ void copy_rows(const unsigned long long* __restrict__ bases,
                                      const long long* __restrict__ row_bytes, const int* __restrict__ pairs)
 {
+    pdl_enter();
     const int a = blockIdx.y, p = blockIdx.z;
     const long long bytes = row_bytes[a], n = bytes / 16;
     const uint4* src = reinterpret_cast<const uint4*>(bases[a] + pairs[2 * p] * bytes);

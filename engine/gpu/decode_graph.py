@@ -48,6 +48,7 @@ import cupy
 import numpy as np
 
 from ..step import Step
+from . import launch
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -220,7 +221,8 @@ class DecodeGraphs:
             s.synchronize()
             s.begin_capture()
             try:
-                out = self.model.forward_meta(meta, self.cache, self.keep)
+                with launch.pdl():  # each kernel's launch overlaps the end of the one before it
+                    out = self.model.forward_meta(meta, self.cache, self.keep)
             except BaseException:
                 try:
                     s.end_capture()

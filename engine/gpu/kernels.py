@@ -175,7 +175,7 @@ class Kernels:
         self.dirs = [primary, Path(tempfile.gettempdir()) / f"qwen35-kernels-{os.getuid()}"]
         self._pool = ThreadPoolExecutor(workers or min(32, os.cpu_count() or 4), thread_name_prefix="nvrtc")
         self._jobs: dict[tuple[str, str | None], Future] = {}
-        self._fns: dict[tuple[str, str], list] = {}   # -> [function, dynamic shared bytes opted in to]
+        self._fns: dict[tuple[str, str], list] = {}   # -> [function, dynamic shared bytes opted in to, launcher]
         self._modules: dict[tuple[str, str | None], tuple] = {}
         self._lock = threading.Lock()
 
@@ -215,9 +215,11 @@ class Kernels:
         e = self._fns.get((file, name))
         if e is None:
             mod, lowered = self._module(file, name if "<" in name else None)
-            e = self._fns[(file, name)] = [mod.get_function(lowered or name), 0]
+            from .launch import Kernel  # CuPy: imported once a GPU is in use (tools/build_kernels.py needs none)
+            f = mod.get_function(lowered or name)
+            e = self._fns[(file, name)] = [f, 0, Kernel(f)]
         if smem > e[1]:
             e[0].max_dynamic_shared_size_bytes = smem
             e[1] = smem
-        return e[0]
+        return e[2]
 
