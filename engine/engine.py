@@ -41,6 +41,8 @@ from .trace import StepTrace
 from .weights import load_weights
 
 log = logging.getLogger("qwen35.engine")
+PAUSE_AFTER = 4  # speculative decoding: proposals in a row without an accepted token before a request pauses
+MAX_PAUSE = 32   # the longest pause, in decode steps
 __all__ = ["Engine", "RequestStream", "EngineDeadError", "AdmissionError", "OverloadedError"]
 
 
@@ -191,6 +193,8 @@ class Engine:
         self._inflight_plans: list[Plan] = []      # complete when self._inflight is collected
         self._step_trace = None                    # (line, forward marks) of the last launched step
         self._record = None                        # speculative decoding: the last launched step's StepRecord
+        self._deferred = None                      # events held back until the step is launched (step())
+        self._step_no = 0                          # step() calls (speculation pauses end at step numbers)
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
         if start:
@@ -303,20 +307,33 @@ class Engine:
         is computed and dropped (its KV reservation covers it). Results arrive one step() later: a
         step's tokens are delivered by the next call.
 
-        With speculative decoding the step collects first, then shows the drafter what the collected step
-        committed (drafter.py: observe, for a drafter with a capture), then asks it, then schedules: a
-        request's drafts continue its latest tokens, and where its next step starts depends on how
-        many drafts its last verify accepted, both known only once its tokens are on the host. So such
-        an engine does not overlap (the device waits while the host schedules and delivers); with
-        speculation off nothing here changes."""
+        With speculative decoding a step that may verify collects first, then shows the drafter what the
+        collected step committed (drafter.py: observe, for a drafter with a capture), then asks it, then
+        schedules: a request's drafts continue its latest tokens, and where its next step starts depends
+        on how many drafts its last verify accepted, both known only once its tokens are on the host. So
+        the device waits while the host proposes, schedules and launches; the collected tokens' events
+        are sent after the launch. A step in which no request can draft (every speculating request
+        paused, see _propose) runs as above, one step ahead, unless the drafter reads every step."""
         self._drain(block and not self._requests and self._inflight is None)
         t0 = time.perf_counter()
-        if self.drafter is not None:
+        self._step_no += 1
+        sync = self.drafter is not None and self._must_wait()
+        if sync:
+            self._deferred = []  # the collected tokens' events go out once the next step is launched
             self._flush(t0)                                                 # 0. step n's tokens first
             if self._record is not None:  # what step n committed, for a drafter that reads the target
                 self.drafter.observe(self._record)
                 self._record = None
+        if self.drafter is not None:
             self._propose()
+        try:
+            self._schedule_and_launch(t0)
+        finally:
+            if sync:
+                self._send_deferred()
+        self._last_step_end = time.perf_counter()
+
+    def _schedule_and_launch(self, t0: float) -> None:
         batch = self.scheduler.schedule()                                   # 1. schedule (host only)
         t1 = time.perf_counter()
         info = None
@@ -339,22 +356,60 @@ class Engine:
                 self._trace.write(info, (), 0.0, 0.0, (), next_start=time.perf_counter())
             else:
                 self._step_trace = (info, launched.marks)
-        self._last_step_end = time.perf_counter()
+
+    def _room(self, req: Request) -> int:
+        """How many drafts req may verify next step (0: it decodes plainly): at most what max_tokens leaves
+        after the bonus token (a verify never emits past max_tokens, nor computes a position past its KV
+        reservation); none while it prefills, has no rollback rows or pauses."""
+        if req.spec_row is None or req.spec_resume > self._clock(req) or req.num_tokens - req.num_computed != 1:
+            return 0
+        return max(min(self.spec.num_speculative_tokens, req.max_tokens - len(req.output_ids) - req.pending - 1), 0)
+
+    def _must_wait(self) -> bool:
+        """Whether the next step must wait for the one in flight: a request in it may draft (its drafts
+        continue tokens not collected yet), a verify in flight decides where its request goes on, or the
+        drafter observes every step."""
+        s = self._inflight
+        return (self.drafter.capture is not None or (s is not None and s.verify is not None)
+                or any(self._room(req) for req in self.scheduler.running))
 
     def _propose(self) -> None:
-        """Drafts for each running request about to decode: at most what max_tokens leaves after the bonus
-        token (a verify never emits past max_tokens, nor computes a position past its KV reservation)."""
-        k = self.spec.num_speculative_tokens
+        """Drafts for each running request about to decode (_room). A request whose proposals brought no
+        accepted token PAUSE_AFTER times in a row (no drafts, or all rejected) pauses (_missed), so a
+        drafter that keeps failing costs little (steps run one ahead while every request pauses) and one
+        that works is not held back (an accepted token resets the count)."""
         reqs, rooms = [], []
         for req in self.scheduler.running:
             req.drafts = []
-            room = min(k, req.max_tokens - len(req.output_ids) - 1)
-            if req.num_tokens - req.num_computed == 1 and room > 0 and req.spec_row is not None:
+            room = self._room(req)
+            if room:
                 reqs.append(req)
                 rooms.append(room)
         if reqs:
             for req, room, drafts in zip(reqs, rooms, self.drafter.propose(reqs, rooms)):
                 req.drafts = list(drafts)[:room]
+                if not req.drafts:
+                    self._missed(req)
+
+    def _missed(self, req: Request) -> None:
+        """The n-th miss in a row from PAUSE_AFTER on pauses req for p = 2 ** (n - PAUSE_AFTER) steps (at most
+        MAX_PAUSE) and a bit: it proposes again at the step after next whose number is a multiple of p, so
+        that paused requests try again in the same steps (a step in which one request may draft waits for
+        the step before it: spread out, a batch's probes would make most steps wait)."""
+        req.spec_misses += 1
+        if req.spec_misses >= PAUSE_AFTER:
+            p = min(MAX_PAUSE, 2 ** (req.spec_misses - PAUSE_AFTER))
+            req.spec_resume = (self._clock(req) // p + 2) * p
+
+    def _clock(self, req: Request) -> int:
+        """What a pause counts: engine steps; a seeded request's own tokens (its pending one included), so
+        that where it verifies, and so its random draws, do not depend on the requests beside it."""
+        return len(req.output_ids) + req.pending if req.generator is not None else self._step_no
+
+    def _send_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        for req, out in deferred:
+            self._emit(req, out)
 
     def _launch(self, batch) -> tuple[ForwardInFlight | None, Exception | None]:
         with self._lock:  # a request's first chunk starts at its cached tokens (0 without a prefix hit)
@@ -493,6 +548,10 @@ class Engine:
             self._on_token(req, tok)
             if req.status is not Status.RUNNING:
                 return
+        if accepted:
+            req.spec_misses = 0
+        else:
+            self._missed(req)
         if accepted < res.drafted:
             self.runner.roll_back(req, accepted)
             self.scheduler.rewind(req, res.drafted - accepted)
@@ -515,10 +574,13 @@ class Engine:
         self._emit(req, out)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
+        if self._deferred is not None:
+            self._deferred.append((req, out))
+            return
         if self.prefix is not None:
             out.cached_tokens = req.cached_tokens
         try:
             req.sink(out)
         except Exception as e:  # noqa: BLE001 - a broken consumer must not take the loop down
-            if not out.finished:
+            if not out.finished and req.status is not Status.FINISHED:  # (a deferred event: it may have ended)
                 self._finish(req, "error", error=f"event sink failed: {e!r}")

@@ -108,6 +108,8 @@ class Request:
     spec_row: int | None = None     # its rollback rows' first (state_slots.SpecRowPool); None: no speculation
     num_draft_tokens: int = 0       # drafts verified, and of them accepted (the final event reports both)
     num_accepted_tokens: int = 0
+    spec_misses: int = 0            # proposals in a row that brought no accepted token (engine.py: pauses)
+    spec_resume: int = 0            # the engine step from which it proposes again
 
     @property
     def num_tokens(self) -> int:

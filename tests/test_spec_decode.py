@@ -17,6 +17,7 @@ from engine import SamplingParams
 from engine.arrays import array_module, as_f32, to_numpy
 from engine.config import SpeculativeConfig
 from engine.drafter import Drafter, NgramDrafter
+from engine.engine import MAX_PAUSE, PAUSE_AFTER
 from engine.request import Request
 from engine.sampler import RowParams, Sampler
 from test_engine import Collect, drive, make, prompt
@@ -129,9 +130,74 @@ def test_off_changes_nothing(tiny_dir):
     eng, col = make(tiny_dir, speculative_config=SPEC, max_num_seqs=4)
     # 4 sets of rollback rows and one for padding (CUDA graphs)
     assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots + 5 * SPEC["num_speculative_tokens"]
+    eng.drafter = Oracle({tuple(PROMPTS[0]): list(range(100, 110))}, right=0)  # never right: stays below PAUSE_AFTER
     fed = _fed(eng)
-    drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=6, **GREEDY), col)])
-    assert fed == [False] * 6
+    drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=PAUSE_AFTER + 1, **GREEDY), col)])
+    assert fed == [False] * (PAUSE_AFTER + 1)
+
+
+class Never(Drafter):
+    """Proposes nothing (a drafter that never finds a continuation)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, reqs, rooms):
+        self.calls += 1
+        return [[] for _ in reqs]
+
+
+@pytest.mark.parametrize("drafter", ["never", "reject-first"])
+def test_failing_drafter_pauses(tiny_dir, drafter):
+    """Proposals that bring no accepted token PAUSE_AFTER times in a row (no drafts, or all rejected) pause
+    the request (engine._missed: steps without proposals, ending at a step number that is a multiple of
+    the pause), which run one ahead (fed on the device) when no request can draft, except the step right
+    after a verify (where it goes on is known once the verify is collected); tokens equal plain's."""
+    n = 60
+    plain, eng, _, _ = run(tiny_dir, PROMPTS[:1], SamplingParams(max_tokens=n, **GREEDY))
+    eng, col = make(tiny_dir, speculative_config=SPEC)
+    eng.drafter = Never() if drafter == "never" else Oracle({tuple(PROMPTS[0]): plain[0]}, right=0)
+    fed = _fed(eng)
+    verifies = []
+    real = eng.runner.forward
+    eng.runner.forward = lambda batch, prev, plan=None: verifies.append(
+        any(req.drafts for req, _ in batch)) or real(batch, prev, plan)
+    rid = eng.submit(PROMPTS[0], SamplingParams(max_tokens=n, **GREEDY), col)
+    drive(eng, col, [rid])
+    eng.step()
+    assert col.tokens(rid) == plain[0]
+
+    def pause(misses, step):  # the step it proposes again from
+        p = min(MAX_PAUSE, 2 ** (misses - PAUSE_AFTER))
+        return (step // p + 2) * p if misses >= PAUSE_AFTER else 0
+    want, misses, resume, after_verify, n_prop = [False], 0, 0, False, 0  # step 1: the prefill
+    for step in range(2, len(fed) + 1):  # one forward per step
+        if after_verify:  # its collect here found every draft rejected
+            misses += 1
+            resume = pause(misses, step)
+        proposes = step >= resume
+        n_prop += proposes
+        want.append(not (after_verify or proposes))
+        after_verify = proposes and drafter != "never"
+        if proposes and drafter == "never":
+            misses += 1
+            resume = pause(misses, step)
+    assert fed == want
+    assert (eng.drafter.calls if drafter == "never" else sum(verifies)) == n_prop
+    assert n_prop <= 10  # 60 tokens: 4 misses, then pauses of about 1, 2, 4, 8, 16 steps
+    assert drafter != "never" or not any(verifies)
+    assert_idle(eng)
+
+
+def test_accepted_token_resets_the_pause_count(tiny_dir):
+    """A drafter right on its first token (one accepted per verify) never pauses: every step verifies."""
+    n = 30
+    plain, _, _, _ = run(tiny_dir, PROMPTS[:1], SamplingParams(max_tokens=n, **GREEDY))
+    toks, eng, _, _ = run(tiny_dir, PROMPTS[:1], SamplingParams(max_tokens=n, **GREEDY), SPEC,
+                          Oracle({tuple(PROMPTS[0]): plain[0]}, right=1))
+    st = eng.stats()
+    assert toks == plain and st.spec_decode_num_accepted_tokens == st.spec_decode_num_drafts
+    assert st.spec_decode_num_drafts >= (n - 1) // 2 - 1  # two tokens per verify, from the first decode on
 
 
 def test_ngram_drafter():
