@@ -6,10 +6,9 @@
 
 typedef unsigned short bf16_t;
 
-// Programmatic dependent launch (engine/gpu/launch.py), the first thing every kernel does (the GEMV first
-// prefetches its weights, which no kernel writes): wait until the kernels before it in the stream have
-// finished (their writes visible), then let the next kernel's blocks be scheduled. Both are no-ops for a
-// kernel launched without the PDL attribute.
+// Programmatic dependent launch (engine/gpu/launch.py), the first thing every kernel does: wait until the
+// kernels before it in the stream have finished (their writes visible), then let the next kernel's blocks be
+// scheduled. Both are no-ops for a kernel launched without the PDL attribute.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -46,7 +46,6 @@
 #include "common.cuh"
 
 #define GEMV_MAX_WARPS 16
-#define GEMV_PREFETCH_STEPS 8  // 32-k steps of W per warp sent to L2 before the kernel waits for its predecessor
 
 // W loads skip L1 (W is read once; x stays cached). PF = 1 adds the .L2::256B prefetch-size hint: it
 // pays off for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration, and costs
@@ -94,6 +93,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     void* __restrict__ y,                         // [M, N] contiguous, bf16 or f32
     int M, int N, int K)
 {
+    pdl_enter();
     constexpr int ROWS = 16 * R, COLS = 8 * MT;
     extern __shared__ float red[];  // [NW][COLS][ROWS]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -117,15 +117,6 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             const int row = n0 + 16 * r + 8 * h + g;
             wp[r][h] = w + (long long)(row < N ? row : N - 1) * K + s * 32 + kt;
         }
-    // W does not depend on the kernels before this one: its first steps go to L2 while they finish (PDL)
-#pragma unroll
-    for (int u = 0; u < (MT < 8 ? GEMV_PREFETCH_STEPS : 0); ++u)  // (MT = 8: registers are short)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                if (s + u < s1) asm volatile("prefetch.global.L2 [%0];" :: "l"(wp[r][h] + 32 * u));
-    pdl_enter();
     const bf16_t* xp[MT];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
