@@ -46,6 +46,31 @@ class Step:
     def num_seqs(self) -> int:
         return len(self.slots)
 
+    # The packed metadata a GPU step uploads in one copy: these int32 fields back to back.
+    FIELDS = ("tokens", "positions", "cu_seqlens", "slots", "seq_lens", "slot_mapping", "seq", "logits_rows",
+              "save_at", "save_rows", "spec_rows", "block_tables")
+
+    @staticmethod
+    def field_sizes(T: int, B: int, n_logits: int, width: int) -> list[int]:
+        """Elements of each of FIELDS for T tokens, B sequences, n_logits sampled rows, block tables `width`
+        wide."""
+        return [T, T, B + 1, B, B, T, T, n_logits, B, B, B, B * width]
+
+    def packed(self, block_size: int) -> np.ndarray:
+        """FIELDS as one int32 array: the step's own, and per token its sequence (`seq`) and its flat KV row
+        (`slot_mapping`: block * block_size + offset); save_at / save_rows 0 and spec_rows -1 when unset."""
+        B = self.num_seqs
+        seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(self.cu_seqlens))
+        blocks = self.block_tables[seq, self.positions // block_size]
+        slot_mapping = blocks.astype(np.int64) * block_size + self.positions % block_size
+        assert slot_mapping.max(initial=0) < 2 ** 31
+        unset = np.zeros(B, np.int32)
+        parts = [self.tokens, self.positions, self.cu_seqlens, self.slots, self.seq_lens, slot_mapping, seq,
+                 self.logits_rows, unset if self.save_at is None else self.save_at,
+                 unset if self.save_rows is None else self.save_rows,
+                 np.full(B, -1, np.int32) if self.spec_rows is None else self.spec_rows, self.block_tables]
+        return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, int, list[int]]], sample: list[int] | None = None,
               feed: tuple | None = None, saves: dict[int, tuple[int, int]] | None = None,

@@ -173,6 +173,8 @@ def test_graph_mixed_batches(request, preset):
         which = [int(i) for i in w.rng.permutation(n)[:k]]
         st = w.decode_step(which, pos)
         got = cupy.asnumpy(graphs.run(st))
+        # the metadata run() wrote over the bucket's padding: the padded step's packed layout
+        assert np.array_equal(graphs.graphs[graphs.bucket_for(k), 0].staging, graphs.pad(st).packed(BS))
         want = cupy.asnumpy(graphs.eager(st, eager_c))
         assert np.array_equal(bits(got), bits(want)), f"batch {k}: replay != eager padded"
         for i in which:
@@ -221,6 +223,7 @@ def test_graph_verify_bit_exact(request, preset):
                         [1 + K] * B, spec=spec)
         assert graphs.kind(st) == K
         got, got_cap = graphs.run(st, with_capture=True)
+        assert np.array_equal(graphs.graphs[4, K].staging, graphs.pad(st).packed(BS))
         want, want_cap = graphs.eager(st, eager_c, with_capture=True)
         got, want = cupy.asnumpy(got), cupy.asnumpy(want)
         plain = cupy.asnumpy(model.forward(st, plain_c))

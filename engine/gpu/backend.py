@@ -173,63 +173,34 @@ class CudaBackend:
 
     @staticmethod
     def meta_size(T: int, B: int, n_logits: int, width: int) -> int:
-        """int32 elements of the packed metadata buffer prepare() uploads: T tokens, B sequences,
-        n_logits sampled rows, block tables `width` wide."""
-        return 4 * T + (B + 1) + 5 * B + n_logits + B * width
+        """int32 elements of the packed metadata buffer prepare() uploads (Step.packed)."""
+        return sum(Step.field_sizes(T, B, n_logits, width))
 
-    def prepare(self, step: Step, cache: Cache, out: cupy.ndarray | None = None, max_ctx: int | None = None,
-                staging: np.ndarray | None = None) -> Meta:
-        """Uploads the step's metadata in one host-to-device copy (views into one int32 buffer).
+    def prepare(self, step: Step, cache: Cache, out: cupy.ndarray | None = None, max_ctx: int | None = None) -> Meta:
+        """Uploads the step's metadata in one host-to-device copy (Step.packed; views into one int32 buffer).
 
         out: a preallocated contiguous int32 device buffer of exactly meta_size(...) elements to upload
         into (on the current stream) instead of a fresh array, so the metadata lives at fixed addresses
-        (CUDA-graph replay). staging: with out, a pinned int32 host array of the same size the data is
-        packed into and copied from asynchronously (the caller makes sure an earlier copy from it has
-        finished). max_ctx: the context bound (>= every seq_len) that sizes the attention split-K
+        (CUDA-graph capture). max_ctx: the context bound (>= every seq_len) that sizes the attention split-K
         instead of max(seq_lens), so that decision does not change between replays."""
-        bs = cache.block_size
         B = step.num_seqs
         T = int(step.cu_seqlens[-1])
-        seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(step.cu_seqlens))
-        blocks = step.block_tables[seq, step.positions // bs]
-        slot_mapping = (blocks.astype(np.int64) * bs + step.positions % bs)
-        assert slot_mapping.max(initial=0) < 2 ** 31
-        bt = np.ascontiguousarray(step.block_tables, np.int32)
-        no_saves = np.zeros(B, np.int32)
-        save_at = step.save_at if step.save_at is not None else no_saves
-        save_rows = step.save_rows if step.save_rows is not None else no_saves
-        spec_rows = step.spec_rows if step.spec_rows is not None else np.full(B, -1, np.int32)
-        parts = [step.tokens, step.positions, step.cu_seqlens, step.slots, step.seq_lens, slot_mapping, seq,
-                 step.logits_rows, save_at, save_rows, spec_rows, bt.reshape(-1)]
-        parts = [np.asarray(p, np.int32).reshape(-1) for p in parts]
-        host = np.concatenate(parts)
+        host = step.packed(cache.block_size)
         if out is None:
             dev = cupy.asarray(host)
         else:
             if out.dtype != cupy.int32 or out.ndim != 1 or out.size != host.size or not out.flags.c_contiguous:
                 raise ValueError(f"prepare: out must be a contiguous int32 [{host.size}] buffer, got "
                                  f"{out.dtype} {out.shape}")
-            if staging is None:
-                out.set(host)
-            else:
-                assert staging.dtype == np.int32 and staging.shape == host.shape
-                staging[...] = host
-                cupy.cuda.runtime.memcpyAsync(out.data.ptr, staging.ctypes.data, host.nbytes,
-                                              cupy.cuda.runtime.memcpyHostToDevice,
-                                              cupy.cuda.get_current_stream().ptr)
+            out.set(host)
             dev = out
         views, o = [], 0
-        for p in parts:
-            views.append(dev[o:o + p.size])
-            o += p.size
-        views[-1] = views[-1].reshape(bt.shape)
-        if step.feed is not None:  # tokens sampled on the device by the previous step, after the copy
-            rows, ids = step.feed
-            ids = cupy.asarray(ids).astype(cupy.int32, copy=False)
-            if len(rows) and rows[-1] == len(rows) - 1:  # rows 0..k-1 (decodes come first): no index upload
-                views[0][:len(rows)] = ids
-            else:
-                views[0][cupy.asarray(rows)] = ids
+        for n in Step.field_sizes(T, B, len(step.logits_rows), step.block_tables.shape[1]):
+            views.append(dev[o:o + n])
+            o += n
+        views[-1] = views[-1].reshape(step.block_tables.shape)
+        self.feed(views[0], step.feed)
+        spec_rows = step.spec_rows if step.spec_rows is not None else np.full(B, -1, np.int32)
         ctx = int(step.seq_lens.max(initial=0))
         if max_ctx is not None:
             if max_ctx < ctx:
@@ -239,6 +210,19 @@ class CudaBackend:
         n_dec = leading_singles(lens)
         n_rec = n_dec + int(np.cumprod(spec_rows[n_dec:] >= 0).sum())
         return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=n_dec, n_rec=n_rec)
+
+    @staticmethod
+    def feed(tokens: cupy.ndarray, feed) -> None:
+        """Step.feed: tokens sampled on the device by the previous step, written into the uploaded tokens
+        (after the copy, in stream order)."""
+        if feed is None:
+            return
+        rows, ids = feed
+        ids = cupy.asarray(ids).astype(cupy.int32, copy=False)
+        if len(rows) and rows[-1] == len(rows) - 1:  # rows 0..k-1 (decodes come first): no index upload
+            tokens[:len(rows)] = ids
+        else:
+            tokens[cupy.asarray(rows)] = ids
 
     def memory_used(self) -> int:
         return cupy.get_default_memory_pool().used_bytes()

@@ -15,10 +15,11 @@ How a step is run
   so its contents are garbage; nothing real ever reads it.) A padded verify sequence decodes 1 + K
   tokens at positions 0..K of the dummy page and keeps its per-token states in K dummy rollback rows
   (dummy_spec_row).
-- All metadata (tokens, positions, cu_seqlens, slots, seq_lens, slot_mapping, tok_seq, logits_rows,
-  block tables max_blocks_per_seq wide) lives in one static int32 device buffer per bucket;
-  CudaBackend.prepare(..., out=buffer, max_ctx=self.max_ctx, staging=pinned) refills it with one
-  asynchronous H2D copy per step from a pinned host buffer (so run() does not wait for the GPU).
+- All metadata (Step.packed: tokens, positions, cu_seqlens, slots, seq_lens, slot_mapping, tok_seq,
+  logits_rows, block tables max_blocks_per_seq wide, ...) lives in one static int32 device buffer per
+  bucket; run() writes the padded step's layout into a pinned host buffer (the bucket's all-padding
+  layout, then the real rows: _stage) and refills the device buffer with one asynchronous H2D copy
+  (so run() does not wait for the GPU).
 - The attention split-K decision depends only on the bucket and max_ctx = max_blocks_per_seq *
   block_size (fixed at capture), never on the step's actual context lengths. A verify's rows are decode
   queries there too (each sees the keys up to its own position): no host-made work list.
@@ -79,6 +80,7 @@ class _Captured:
     staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
+    template: np.ndarray   # buf's contents for an all-padding step (Step.packed): what run() writes rows over
 
 
 class DecodeGraphs:
@@ -235,7 +237,8 @@ class DecodeGraphs:
         staging = np.frombuffer(mem, np.int32, buf.size)
         logits, captured = out if self.keep is not None else (out, None)
         g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, captured, staging,
-                                               cupy.cuda.Event(disable_timing=True), mem)
+                                               cupy.cuda.Event(disable_timing=True), mem,
+                                               dummy.packed(self.block_size))
         return g
 
     def capture_all(self) -> None:
@@ -249,17 +252,40 @@ class DecodeGraphs:
         (captured on first use). A view into the graph's static output, valid until the next run().
         with_capture: (logits, the capture's arrays of the step's T rows), views likewise."""
         k = self._check(step)
-        pstep = self._padded(step, self.bucket_for(step.num_seqs), k)
-        g = self.capture(pstep.num_seqs, k)
+        g = self.capture(self.bucket_for(step.num_seqs), k)
         stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
-        self.ops.prepare(pstep, self.cache, out=g.buf, max_ctx=self.max_ctx, staging=g.staging)  # async H2D
+        self._stage(g, step)
+        cupy.cuda.runtime.memcpyAsync(g.buf.data.ptr, g.staging.ctypes.data, g.staging.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self.ops.feed(g.buf[:len(g.logits)], step.feed)
         g.copied.record(stream)
         g.graph.launch(stream)
         T = len(step.tokens)
         if with_capture:
             return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
         return g.logits[:T]
+
+    def _stage(self, g: _Captured, step: Step) -> None:
+        """g.staging := Step.packed of the step padded to g's bucket (what _padded then packed would give),
+        written directly: the bucket's all-padding template, then the step's own rows over it (each field
+        holds the real sequences' rows first; cu_seqlens, seq, logits_rows and the saves are the template's
+        for a uniform step)."""
+        P, n, W, B, bs = g.bucket, 1 + g.k, self.max_blocks_per_seq, step.num_seqs, self.block_size
+        st = g.staging
+        st[...] = g.template
+        f = dict(zip(Step.FIELDS, np.cumsum([0] + Step.field_sizes(P * n, P, P * n, W))))
+        t = B * n
+        w = min(step.block_tables.shape[1], W)  # wider tables: _check made sure the extra columns are unused
+        tables = st[f["block_tables"]:f["block_tables"] + B * W].reshape(B, W)
+        tables[:, :w] = step.block_tables[:, :w]
+        for name, rows in (("tokens", step.tokens), ("positions", step.positions), ("slots", step.slots),
+                           ("seq_lens", step.seq_lens)):
+            st[f[name]:f[name] + len(rows)] = rows
+        pos = step.positions
+        st[f["slot_mapping"]:f["slot_mapping"] + t] = tables[np.repeat(np.arange(B), n), pos // bs] * bs + pos % bs
+        if g.k:
+            st[f["spec_rows"]:f["spec_rows"] + B] = step.spec_rows
 
     def eager(self, step: Step, cache=None, with_capture: bool = False):
         """What run() computes, executed eagerly (padded, same max_ctx) on `cache` (default: the bound
