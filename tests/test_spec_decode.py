@@ -584,14 +584,22 @@ def test_server_streams_verified_tokens_and_counts_them(tiny_dir):
     assert counts["vllm:spec_decode_num_draft_tokens_total"] >= counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
 
 
-def test_long_context_greedy_equals_plain(tiny_dir):
+def test_long_context_greedy_equals_plain(target):
     """A 4097-token prompt (chunked prefill, 257 KV blocks) beside a short one: greedy verifies with
-    an accepted-prefix oracle give plain greedy's tokens, and everything returns to idle."""
+    an accepted-prefix oracle give plain greedy's tokens; so does the n-gram drafter itself over a
+    4097-token prompt that repeats (it drafts from the first copy); everything returns to idle."""
     prompts = [prompt(41, 4097), prompt(42, 17)]
     sp = SamplingParams(max_tokens=12, **GREEDY)
     kw = dict(max_model_len=4200, max_num_batched_tokens=1024)
-    want, _, _, _ = run(tiny_dir, prompts, sp, **kw)
-    got, eng, _, _ = run(tiny_dir, prompts, sp, SPEC, Oracle({tuple(p): t for p, t in zip(prompts, want)}, 2), **kw)
+    want, _, _, _ = run(target, prompts, sp, **kw)
+    got, eng, _, _ = run(target, prompts, sp, SPEC, Oracle({tuple(p): t for p, t in zip(prompts, want)}, 2), **kw)
     assert got == want
     assert eng.stats().spec_decode_num_accepted_tokens > 0
+    assert_idle(eng)
+    rep = prompt(43, 2048)
+    prompts = [rep + rep + rep[:1]]
+    want, _, _, _ = run(target, prompts, sp, **kw)
+    got, eng, _, _ = run(target, prompts, sp, SPEC, **kw)
+    assert got == want
+    assert eng.stats().spec_decode_num_drafts > 0
     assert_idle(eng)
