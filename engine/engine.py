@@ -123,9 +123,9 @@ class Engine:
             raise ValueError(f"max_num_batched_tokens ({a.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({a.max_num_seqs}) so every running sequence can decode each step")
         spec = SpeculativeConfig.parse(a.speculative_config)
-        if spec is not None and a.enable_prefix_caching:
-            raise ValueError("speculative decoding does not work with prefix caching yet (a verify's KV blocks and "
-                             "saves would be published before its drafts are accepted): choose one")
+        if spec is not None and a.enable_prefix_caching and spec.method != "ngram":
+            raise ValueError(f"prefix caching works with the ngram drafter only: the {spec.method} drafter's own KV "
+                             "at a cached prefix's positions was written for another request's continuation")
         backend = make_backend(a.device, a.batch_invariant)
         backend.load_kernels(cfg)  # compiles in the background while the weights load
         mtp = spec is not None and spec.method == "mtp"  # the MTP head: its weights, and its KV in the cache

@@ -50,6 +50,8 @@ How the engine drives it (docs/architecture.md, "Prefix caching"):
     after it (eager or a decode graph's replay), in stream order; the
     engine commits a plan once a sampling launched after its forward is collected, before that
     sampling's tokens can finish requests, and abandons the plans of a failed step.
+  - with speculative decoding (the n-gram drafter) a verify saves nothing: `max_drafts` cuts its drafts
+    short of the next rolling save.
   - a hit's first chunk starts at `num_computed == cached_tokens > 0` (restored, not zeroed); events carry
     `cached_tokens` (-> usage.prompt_tokens_details.cached_tokens); `queries` / `hits` (tokens, as vLLM
     counts them) -> `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`.
@@ -173,6 +175,18 @@ class PrefixCache:
             if sid is not None:
                 s.saves[end] = sid
         return take
+
+    def max_drafts(self, req: Request, k: int) -> int:
+        """How many of k drafts a decoding request's verify may carry (speculative decoding): a verify saves
+        no state. The kernels cannot save inside one (its GDN rows run the token recurrence), and a save at
+        its end would keep the state after drafts that may be rejected. A decoding request's saves are the
+        rolling ones at multiples of `align` (its prompt boundaries are behind it): the verify stops short
+        of the next, which a plain decode step then reaches and saves. Its KV needs nothing: publish() hashes
+        only known tokens, and a rejected draft's position never is one before the step after the verify
+        has rewritten it."""
+        start = req.num_computed
+        nxt = (start // self.align + 1) * self.align  # the next rolling save: the state after nxt tokens
+        return k if start + 1 + k < nxt else max(nxt - start - 2, 0)
 
     def plan(self, batch: list[tuple[Request, int]]) -> Plan:
         """The copies of a scheduled step (call after cut(), before advance)."""

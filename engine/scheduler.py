@@ -13,6 +13,7 @@ Speculative decoding: a decoding request with `drafts` (engine.py proposes them 
 is scheduled as a verify, its pending token and the drafts, 1 + k tokens (the drafts cut to what the
 budget leaves after one token for every decoding request); verifies go after the plain decodes, so
 single-token sequences still lead the step.
+With prefix caching a verify never reaches a position whose state is saved (PrefixCache.max_drafts).
 After a verify that rejected drafts, `rewind` takes back their positions (the runner rolled the state
 back to the last accepted token).
 
@@ -106,6 +107,8 @@ class Scheduler:
         spare = budget - len(decoding)  # drafts get what every decode's own token leaves (none starves)
         for req in decoding:
             if budget > 0:
+                if req.drafts and self.prefix is not None:
+                    del req.drafts[self.prefix.max_drafts(req, len(req.drafts)):]
                 del req.drafts[max(spare, 0):]
                 spare -= len(req.drafts)
                 take = self._take(req, 1 + len(req.drafts), budget)

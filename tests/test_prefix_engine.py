@@ -392,3 +392,58 @@ def test_an_empty_snapshot_pool_serves_cold(target, engines):
     assert (empty.cached(first), empty.cached(second), empty.eng.stats().state_snapshots_total) == (0, 0, 0)
     assert_same(cold, cold.generate(prompt), empty, second)
     empty.assert_idle(mem)
+
+
+# ---- with speculative decoding (the n-gram method's engine; test drafters) ------------------------------
+class _Recorded:
+    """A drafter proposing a recorded continuation of each prompt, its first `right` tokens as they are and
+    the rest off by one (engine/drafter.py's interface)."""
+    capture = None
+
+    def __init__(self, right: int):
+        self.plain, self.right = {}, right
+
+    def propose(self, reqs, rooms):
+        out = []
+        for req, k in zip(reqs, rooms):
+            want = self.plain.get(tuple(req.prompt_ids), [])[len(req.output_ids):][:k]
+            out.append([t if i < self.right else (t + 1) % 1000 for i, t in enumerate(want)])
+        return out
+
+
+def test_speculation_with_prefix_caching(tiny_dir):
+    """Prefix caching beside speculative decoding: over three turns of a conversation the speculating,
+    caching engine gives the cold engine's greedy tokens, hits the rolling decode snapshots at the same
+    positions, and never saves a state inside or at the end of a verify (a save at its end would keep the
+    state after drafts that may be rejected: PrefixCache.max_drafts stops the verify short of it). The
+    MTP and DFlash drafters stay exclusive with prefix caching (their own KV at a cached position was
+    written for another request's continuation)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    target = (tiny_dir, "cpu")
+    warm, cold = Run(target, enable_prefix_caching=True, speculative_config=spec), Run(target)
+    drafter = warm.eng.drafter = _Recorded(right=2)
+    n0, d0 = len(warm.steps), warm.eng.stats().spec_decode_num_drafts
+    rng = np.random.default_rng(2)
+    convo, hits = ids(rng, 100), []
+    for turn in range(3):
+        c = cold.generate(convo, max_tokens=40)
+        drafter.plain[tuple(convo)] = cold.tokens(c)
+        h = warm.generate(convo, max_tokens=40)
+        assert warm.tokens(h) == cold.tokens(c)
+        hits.append(warm.cached(h))
+        convo = convo + warm.tokens(h) + ids(rng, 30)
+    assert hits == [0, 128, 192]  # as without speculation (test_rolling_decode_snapshot_serves_the_next_turn)
+    s = warm.eng.stats()
+    assert s.spec_decode_num_accepted_tokens > 0
+    verifies = 0
+    for step, saves in zip(warm.steps[n0:], warm.saves[n0:]):
+        for rid, start, n in step:
+            if n > 1 and start >= warm.prompt_len[rid]:  # a verify
+                verifies += 1
+                assert not [p for p in saves if start < p <= start + n], (rid, start, n, saves)
+    assert verifies == s.spec_decode_num_drafts - d0 > 0
+    warm.assert_idle()
+    for spec in ({"method": "mtp", "num_speculative_tokens": 2},
+                 {"method": "dflash", "num_speculative_tokens": 2, "model": "x"}):
+        with pytest.raises(ValueError, match="prefix caching works with the ngram drafter only"):
+            Engine(tiny_dir, start=False, device="cpu", enable_prefix_caching=True, speculative_config=spec)
