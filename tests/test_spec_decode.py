@@ -190,6 +190,20 @@ def test_failing_drafter_pauses(tiny_dir, drafter):
     assert_idle(eng)
 
 
+def test_seeded_requests_pause_by_their_own_tokens(tiny_dir):
+    """A seeded request's pauses count its own tokens, not engine steps: where it verifies, and so its random
+    draws, do not depend on the requests beside it. With a drafter that is always wrong (pauses throughout),
+    seeded sampled requests give the same tokens alone and in a batch in another order and budget."""
+    sp = [SamplingParams(max_tokens=40, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(3)]
+    wrong = {tuple(p): [(t + 7) % 1000 for t in range(100)] for p in PROMPTS[:3]}  # never the sampled tokens
+    alone = [run(tiny_dir, [p], [s], SPEC, Oracle(wrong))[0][0] for p, s in zip(PROMPTS[:3], sp)]
+    batch, eng, _, _ = run(tiny_dir, PROMPTS[2::-1], sp[::-1], SPEC, Oracle(wrong), max_num_batched_tokens=24)
+    assert batch[::-1] == alone
+    st = eng.stats()
+    assert 0 < st.spec_decode_num_drafts < 3 * 20  # it paused: far fewer verifies than decode steps
+    assert_idle(eng)
+
+
 def test_accepted_token_resets_the_pause_count(tiny_dir):
     """A drafter right on its first token (one accepted per verify) never pauses: every step verifies."""
     n = 30
