@@ -205,3 +205,14 @@ def test_gate_bounds_p99_and_max_by_the_steady_step_and_needs_validity():
     assert bx.gate(False, 5.0, 5.0, 5.0)[0] is False and "invalid" in bx.gate(False, 5.0, 5.0, 5.0)[1][0]
     assert bx.gate(None, 5.0, 5.0, 5.0)[0] is False
     assert bx.gate(True, None, None, 5.0)[0] is False
+
+
+def test_host_breakdown_smoke(tiny_dir, capsys):
+    """tools/host_breakdown.py on the tiny model: both tables, the verify path's parts among the rows."""
+    import host_breakdown as hb
+    hb.main([str(tiny_dir), "--device", "cpu", "--input-len", "40", "--output-len", "12", "--requests", "1"])
+    out = capsys.readouterr().out
+    assert "-- plain:" in out and "-- oracle p=0.8, K=3:" in out
+    assert "Engine._on_verified" in out and "verify.finish" in out and "ModelRunner.forward" in out
+    from engine.engine import Engine
+    assert not hasattr(Engine.step, "__wrapped__")  # the methods are put back

@@ -1,0 +1,127 @@
+"""Host time per call of the engine loop's parts, plain and speculative (oracle drafter), at c1.
+
+    python3 tools/host_breakdown.py MODEL_DIR [--k 3] [--p 0.8] [--requests 2] [--output-len 256]
+
+Steps an Engine(start=False) by hand (no event loop thread) and wraps the engine's, runner's, DecodeGraphs'
+and backend's methods with perf_counter accumulators; prints per method its calls, time per call and per
+step. Calls nest (a parent's time includes its children's); ModelRunner.collect includes the wait for the
+device. First a plain run, whose tokens the oracle (tools/spec_oracles.py) then proposes from, right with
+probability p per position.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine import SamplingParams  # noqa: E402
+from engine import runner as R, step as S, verify as V  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from tools.spec_oracles import RecordedOracle  # noqa: E402
+
+ACC: dict = collections.defaultdict(lambda: [0, 0.0])
+
+
+def wrap(owner, name: str, label: str, undo: list) -> None:
+    f = getattr(owner, name)  # (a classmethod comes bound; the wrapper then stands in for it)
+    undo.append((owner, name, owner.__dict__[name]))
+
+    @functools.wraps(f)
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            e = ACC[label]
+            e[0] += 1
+            e[1] += time.perf_counter() - t
+    setattr(owner, name, timed)
+
+
+def instrument(gpu: bool) -> list:
+    """Wraps the methods; returns what restore() puts back."""
+    undo: list = []
+    owners = [(Engine, ["step", "_flush", "_collect", "_propose", "_launch", "_launch_sampling", "_send_deferred",
+                        "_on_verified", "_on_token", "_schedule_and_launch", "_must_wait"]),
+              (R.ModelRunner, ["forward", "sample", "collect", "roll_back"])]
+    if gpu:
+        from engine.gpu import backend as BK, decode_graph as DG
+        owners += [(DG.DecodeGraphs, ["run", "_check", "_stage", "kind"]),
+                   (BK.CudaBackend, ["prepare", "copy_slots", "argmax_finite"])]
+    for cls, names in owners:
+        for n in names:
+            wrap(cls, n, f"{cls.__name__}.{n}", undo)
+    wrap(V, "launch", "verify.launch", undo)
+    wrap(V, "finish", "verify.finish", undo)
+    wrap(S.Step, "build", "Step.build", undo)
+    return undo
+
+
+def restore(undo: list) -> None:
+    for owner, name, f in reversed(undo):
+        setattr(owner, name, f)
+
+
+def drive(eng, prompts, params) -> tuple[float, list[list[int]]]:
+    """Each prompt alone, stepped until it finishes: (wall seconds, tokens per prompt)."""
+    out = []
+    t = time.perf_counter()
+    for p in prompts:
+        toks, done = [], []
+        eng.submit(p, params, lambda o, toks=toks, done=done: (toks.extend(o.new_token_ids), o.finished and done.append(1)))
+        while not done:
+            eng.step()
+        out.append(toks)
+    return time.perf_counter() - t, out
+
+
+def table(tag: str, tokens: int, wall: float) -> None:
+    steps = ACC["Engine.step"][0]
+    print(f"-- {tag}: {wall / tokens * 1e3:.3f} ms per token (wall, prefill included), {steps} steps --")
+    for k, (n, t) in sorted(ACC.items(), key=lambda kv: -kv[1][1]):
+        print(f"{k:32s} calls {n:5d}  per call {t / n * 1e6:8.1f} us  per step {t / steps * 1e6:8.1f} us")
+    ACC.clear()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--p", type=float, default=0.8)
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--device", default="auto")
+    a = ap.parse_args(argv)
+    eng = Engine(a.model_dir, start=False, device=a.device, max_model_len=a.input_len + a.output_len + 64,
+                 max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
+    undo = instrument(eng.runner.model.ops.name == "cuda")
+    try:
+        measure(eng, a)
+    finally:
+        restore(undo)
+        ACC.clear()
+
+
+def measure(eng, a) -> None:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 200000, a.input_len).tolist() for _ in range(a.requests + 1)]
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    eng.drafter = None  # plain first: its tokens are the oracle's recording
+    drive(eng, prompts[:1], params)  # warm-up
+    ACC.clear()
+    wall, toks = drive(eng, prompts[1:], params)
+    table("plain", sum(map(len, toks)), wall)
+    eng.drafter = RecordedOracle({tuple(p): t for p, t in zip(prompts[1:], toks)}, a.p, eng.cfg.vocab_size, seed=1)
+    wall, toks = drive(eng, prompts[1:], params)
+    table(f"oracle p={a.p:g}, K={a.k}", sum(map(len, toks)), wall)
+
+
+if __name__ == "__main__":
+    main()
