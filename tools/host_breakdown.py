@@ -74,7 +74,8 @@ def drive(eng, prompts, params) -> tuple[float, list[list[int]]]:
     t = time.perf_counter()
     for p in prompts:
         toks, done = [], []
-        eng.submit(p, params, lambda o, toks=toks, done=done: (toks.extend(o.new_token_ids), o.finished and done.append(1)))
+        eng.submit(p, params, lambda o, toks=toks, done=done: (toks.extend(o.new_token_ids),
+                                                               o.finished and done.append(1)))
         while not done:
             eng.step()
         out.append(toks)
