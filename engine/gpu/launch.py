@@ -41,10 +41,6 @@ _state = {"on": False, "lib": None}
 _ALLOWED = os.environ.get("QWEN35_PDL", "1") != "0"
 
 
-def enabled() -> bool:
-    return _state["on"]
-
-
 @contextlib.contextmanager
 def pdl():
     """Kernel launches inside use PDL (when the device supports it and QWEN35_PDL is not 0)."""
