@@ -9,7 +9,7 @@ resident and starts the moment this one ends. Both instructions are no-ops for a
 the attribute, and a kernel that is not ours (CuPy's, cublasLt's) is launched normally, so it waits for
 everything before it as always.
 
-PDL launches are used while `enabled()` is on: DecodeGraphs turns it on around its captures (the launches
+PDL launches are used inside `with pdl():`: DecodeGraphs wraps its captures in it (the launches
 are recorded once and replayed; the ctypes call here is slower on the host than CuPy's own launch, which
 eager steps keep). CuPy's launch API takes no launch attributes, hence cuLaunchKernelEx through ctypes.
 QWEN35_PDL=0 turns it off everywhere (A/B timing).
