@@ -109,7 +109,7 @@ class Request:
     num_draft_tokens: int = 0       # drafts verified, and of them accepted (the final event reports both)
     num_accepted_tokens: int = 0
     spec_misses: int = 0            # proposals in a row that brought no accepted token (engine.py: pauses)
-    spec_resume: int = 0            # the engine step from which it proposes again
+    spec_resume: int = 0            # when it proposes again (engine._clock: a step number, or its own tokens)
 
     @property
     def num_tokens(self) -> int:
