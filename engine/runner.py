@@ -139,16 +139,17 @@ class ModelRunner:
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
         record = None
-        graphs = self.graphs if self.graphs is not None and self.graphs.kind(step) is not None else None
+        kind = self.graphs.kind(step) if self.graphs is not None else None
+        graphs = self.graphs if kind is not None else None
         if graphs is not None and self.capture not in (None, graphs.keep):
             graphs = None  # the graphs keep other activations than the drafter needs: eager
         if self.capture is not None:
-            logits, captured = (graphs.run(step, with_capture=True) if graphs is not None
+            logits, captured = (graphs.run(step, with_capture=True, kind=kind) if graphs is not None
                                 else self.model.forward(step, self.cache, self.capture))
             record = StepRecord(captured, [(req, req.num_computed, int(step.cu_seqlens[i]), n)
                                            for i, (req, n) in enumerate(batch)])
         elif graphs is not None:
-            logits = graphs.run(step)  # every sequence decodes one token, or verifies K drafts
+            logits = graphs.run(step, kind=kind)  # every sequence decodes one token, or verifies K drafts
         else:
             logits = self.model.forward(step, self.cache)
         if at_end:

@@ -44,6 +44,7 @@ different M and a different attention split may round differently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cupy
 import numpy as np
@@ -67,6 +68,12 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     if out[-1] != max_num_seqs:
         out.append(max_num_seqs)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _offsets(P: int, n: int, W: int) -> dict[str, int]:
+    """Where each Step.FIELDS field starts in a graph's packed metadata: P sequences of n tokens, all sampled."""
+    return dict(zip(Step.FIELDS, np.cumsum([0] + Step.field_sizes(P * n, P, P * n, W)).tolist()))
 
 
 @dataclasses.dataclass
@@ -151,12 +158,7 @@ class DecodeGraphs:
                         spec_rows=np.zeros(0, np.int32))
         B = step.num_seqs
         tables = np.full((P, W), self.dummy_block, np.int32)
-        w = step.block_tables.shape[1]
-        if w > W:  # wider than the graphs: fine only if the extra columns are unused
-            need = -(-int(step.seq_lens.max()) // self.block_size)
-            if need > W:
-                raise ValueError(f"context {int(step.seq_lens.max())} needs {need} blocks > max_blocks_per_seq {W}")
-            w = W
+        w = min(step.block_tables.shape[1], W)  # wider tables: _check made sure the extra columns are unused
         tables[:B, :w] = step.block_tables[:, :w]
         tokens = np.zeros(P * n, np.int32)
         tokens[:B * n] = step.tokens
@@ -174,12 +176,12 @@ class DecodeGraphs:
                     block_tables=tables, seq_lens=seq_lens, logits_rows=np.arange(P * n, dtype=np.int32),
                     feed=step.feed, spec_rows=spec_rows)
 
-    def _check(self, step: Step) -> int:
-        """Validates a step for replay; returns its kind (graph_kind)."""
+    def _check(self, step: Step, k: int | None = None) -> int:
+        """Validates a step for replay; returns its kind (kind(), or the caller's k from it)."""
         B = step.num_seqs
         if B < 1 or B > self.max_num_seqs:
             raise ValueError(f"decode batch of {B} sequences: need 1..{self.max_num_seqs}")
-        k = self.kind(step)
+        k = self.kind(step) if k is None else k
         if k is None:
             raise ValueError("DecodeGraphs runs pure decode steps (one new token per sequence, every one sampled)"
                              f" and uniform verifies of {self.verify_k} drafts only")
@@ -247,11 +249,12 @@ class DecodeGraphs:
                 self.capture(b, k)
 
     # ---- replay ------------------------------------------------------------------------------
-    def run(self, step: Step, with_capture: bool = False):
+    def run(self, step: Step, with_capture: bool = False, kind: int | None = None):
         """Logits [T, vocab] f32 of a pure decode step or a uniform verify, replayed from the bucket's graph
         (captured on first use). A view into the graph's static output, valid until the next run().
-        with_capture: (logits, the capture's arrays of the step's T rows), views likewise."""
-        k = self._check(step)
+        with_capture: (logits, the capture's arrays of the step's T rows), views likewise. kind: the step's
+        kind() when the caller has it (it is not computed again)."""
+        k = self._check(step, kind)
         g = self.capture(self.bucket_for(step.num_seqs), k)
         stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
@@ -274,7 +277,7 @@ class DecodeGraphs:
         P, n, W, B, bs = g.bucket, 1 + g.k, self.max_blocks_per_seq, step.num_seqs, self.block_size
         st = g.staging
         st[...] = g.template
-        f = dict(zip(Step.FIELDS, np.cumsum([0] + Step.field_sizes(P * n, P, P * n, W))))
+        f = _offsets(P, n, W)
         t = B * n
         w = min(step.block_tables.shape[1], W)  # wider tables: _check made sure the extra columns are unused
         tables = st[f["block_tables"]:f["block_tables"] + B * W].reshape(B, W)
