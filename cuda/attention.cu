@@ -9,8 +9,9 @@
 //              and attn_combine merges the splits (split-K over long contexts, flash-decoding style).
 #include "common.cuh"
 
-// grid T, 128 threads (4 warps), dynamic smem 4 * hd floats. Jobs per token: nh q heads, nkv k heads
-// (normed + roped), nkv v heads (copied). q head h starts at qg + t * sqg + h * sqh (2 * hd
+// grid (T, ceil((nh + 2 * nkv) / 4)), 128 threads (4 warps), dynamic smem 4 * hd floats. Jobs per token: nh
+// q heads, nkv k heads (normed + roped), nkv v heads (copied); one per warp (a warp walking several of them
+// serially was ~10 us per layer at T = 1). q head h starts at qg + t * sqg + h * sqh (2 * hd
 // with the gate beside it, hd without).
 extern "C" __global__ void __launch_bounds__(128) attn_prep(
     const bf16_t* __restrict__ qg, long long sqg, const bf16_t* __restrict__ k, long long sk,
@@ -27,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(
     const long long slot = slot_mapping[t];
     const float pos = (float)positions[t];
     const int half = rd / 2;
-    for (int job = warp; job < nh + 2 * nkv; job += 4) {
+    for (int job = blockIdx.y * 4 + warp; job < nh + 2 * nkv; job += 4 * gridDim.y) {
         const bf16_t* src;
         bf16_t* dst;
         const float* w;
@@ -84,7 +85,7 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&f)[E]) {
 }
 
 #define ATTN_WARPS 4
-#define ATTN_MIN_SPLIT_KEYS 64
+#define ATTN_MIN_SPLIT_KEYS 16
 
 // q: [T, nh, HD] contiguous; gate: [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc: [blocks, bs, nkv, HD].
 // block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its absolute position
@@ -180,27 +181,60 @@ __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     }
 }
 
-// grid T*nh, 128 threads: merge the splits of one (token, head), apply the gate.
+// grid T*nh, 128 threads: merge the splits of one (token, head), apply the gate. All threads first turn
+// ATTN_COMBINE_TILE splits' maxima into weights exp(m_s - M) in shared memory; then warp w sums splits
+// w, w + 4, .. with every lane holding hd / 32 elements, loads that do not wait on each other (a decode
+// graph's grid has ~66 splits for even a short context: one thread per element walking them all with a
+// dependent chain took ~15 us); the 4 warps' sums are merged last. An empty split (m = -inf) weighs 0 and
+// its zero partials add nothing.
+#define ATTN_COMBINE_TILE 128
 extern "C" __global__ void __launch_bounds__(128) attn_combine(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const bf16_t* __restrict__ gate,
     long long sg_t, long long sg_h, bf16_t* __restrict__ out, int nh, int hd, int nsplit)
 {
     pdl_enter();
+    __shared__ float s_c[ATTN_COMBINE_TILE], s_red[4], s_acc[4][256];  // hd <= 256
     const long long row = blockIdx.x;  // t * nh + h
     const long long t = row / nh, h = row % nh;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* ml = part_ml + 2 * row * nsplit;
     float M = NEG_INF;
-    for (int s = 0; s < nsplit; ++s) M = fmaxf(M, part_ml[2 * (row * nsplit + s)]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float L = 0.0f, A = 0.0f;
-        for (int s = 0; s < nsplit; ++s) {
-            const float ms = part_ml[2 * (row * nsplit + s)];
-            if (ms == NEG_INF) continue;
-            const float c = expf(ms - M);
-            L += part_ml[2 * (row * nsplit + s) + 1] * c;
-            A += part_acc[(row * nsplit + s) * hd + d] * c;
+    for (int s = threadIdx.x; s < nsplit; s += blockDim.x) M = fmaxf(M, ml[2 * s]);
+    M = warp_max(M);
+    if (lane == 0) s_red[warp] = M;
+    __syncthreads();
+    M = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
+    float L = 0.0f, acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int s0 = 0; s0 < nsplit; s0 += ATTN_COMBINE_TILE) {
+        const int n = min(nsplit - s0, ATTN_COMBINE_TILE);
+        __syncthreads();  // the previous tile's weights (and s_red) are read
+        if (threadIdx.x < n) {
+            const float ms = ml[2 * (s0 + threadIdx.x)];
+            s_c[threadIdx.x] = ms == NEG_INF ? 0.0f : expf(ms - M);
         }
-        const float gt = bf2f(gate[t * sg_t + h * sg_h + d]);
-        out[row * hd + d] = f2bf(A / L * sigmoid_f(gt));
+        __syncthreads();
+#pragma unroll 2
+        for (int s = warp; s < n; s += 4) {
+            const float c = s_c[s];
+            L += ml[2 * (s0 + s) + 1] * c;
+            const float* pa = part_acc + (row * nsplit + s0 + s) * hd + lane;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i * 32 < hd) acc[i] += pa[i * 32] * c;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (i * 32 < hd) s_acc[warp][i * 32 + lane] = acc[i];
+    __syncthreads();  // every warp has read s_red (M) long before: it now holds the warps' L
+    if (lane == 0) s_red[warp] = L;
+    __syncthreads();
+    const float Lt = s_red[0] + s_red[1] + s_red[2] + s_red[3];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float A = s_acc[0][d] + s_acc[1][d] + s_acc[2][d] + s_acc[3][d];
+        out[row * hd + d] = f2bf(A / Lt * sigmoid_f(bf2f(gate[t * sg_t + h * sg_h + d])));
     }
 }
 

@@ -272,6 +272,22 @@ def test_attention_long_decode_split(be, ref, ctx):
     assert rel(be.to_host(got), want) <= BF16_TOL
 
 
+def test_attention_combine_over_many_splits(ref):
+    """Batch-invariant decode attention with a 40000-token context bound: 157 fixed splits (more than the
+    combine's 128-split tile; those past each context empty) merged into the reference's result."""
+    rng = np.random.default_rng(11)
+    nh, nkv, hd, bs = 16, 4, 128, 16
+    inv = CudaBackend(poison=True, batch_invariant=True)
+    nb = 2 * (3000 // bs + 2) + 2
+    step = make_step(rng, [1, 1], [2999, 700], nb, bs)
+    q, gate = rnd(rng, 2, nh, hd), rnd(rng, 2, nh * hd)
+    kc, vc = rnd(rng, nb, bs, nkv, hd), rnd(rng, nb, bs, nkv, hd)
+    want = ref.attention(q.np, gate.np, kc.np, vc.np, ref.prepare(step, _C()))
+    m = inv.prepare(step, Cache([], [], [], [], bs), max_ctx=40000)
+    got = inv.attention(q.dev, gate.dev.reshape(2, nh, hd), kc.dev, vc.dev, m)
+    assert rel(inv.to_host(got), want) <= BF16_TOL
+
+
 def test_attention_verify_rows_take_the_decode_kernel(be, ref):
     """A decode, two verifies (Step.spec_rows: 4 and 16 rows over long contexts) and a prefill: the
     verifies' rows go to attn_fwd with the decode (each row sees the keys up to its position), the prefill

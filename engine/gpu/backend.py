@@ -426,7 +426,7 @@ class CudaBackend:
             gate = cupy.ndarray((T, nh, hd), cupy.uint16, q_gate.data + hd * 2, strides=(int(sqg) * 2, 2 * hd * 2, 2))
         if T:
             self._fn("attention.cu", "attn_prep")(
-                (T,), (128,),
+                (T, -(-(nh + 2 * nkv) // 4)), (128,),
                 (k if q_gate is None else q_gate, sqg, k, _rs(k), v, _rs(v), k_norm if q_norm is None else q_norm,
                  k_norm, k if q is None else q, k_cache, v_cache, meta.slot_mapping, meta.positions,
                  self._freqs(rotary_dim, theta), i32(nh), i32(nkv), i32(hd), i32(rotary_dim), f32(eps),
