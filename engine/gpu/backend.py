@@ -345,7 +345,9 @@ class CudaBackend:
             if x.strides[1] != 2 or x.strides[0] % 16 or x.data.ptr % 16:
                 x = cupy.ascontiguousarray(x)  # 16-byte loads: a fused width that is not a multiple of 8 (tiny3)
             sx = _rs(x)
-            tt = 1 if meta.max_new <= 1 else 16  # tokens per thread: decode 1, prefill 16 (one x read each)
+            # tokens per thread: 16 in a prefill (each x row read once); 1 when every sequence decodes or
+            # verifies (a verify's few tokens in parallel threads, not one thread's serial loads)
+            tt = 1 if meta.max_new <= 1 or meta.n_rec == meta.B else 16
             self._fn("conv1d.cu", f"conv1d_fwd<{K}>")((-(-C // 1024), -(-T // tt)), (128,),
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
                                                   i32(T), i32(C), i32(tt)))
