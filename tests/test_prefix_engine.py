@@ -159,8 +159,10 @@ def pair(engines):
         r.assert_idle(mem)
 
 
-def test_copy_slots(target):
-    """copy_slots copies whole rows of every GDN layer's conv and recurrent state, and nothing else."""
+@pytest.mark.parametrize("src,dst", [([1, 4], [5, 2]), ([3], [0])])
+def test_copy_slots(target, src, dst):
+    """copy_slots copies whole rows of every GDN layer's conv and recurrent state, and nothing else (several
+    pairs, and the one pair of a speculative rollback, which the GPU passes by value)."""
     from engine.config import ModelConfig
     from engine.ops import make_backend
     model_dir, device = target
@@ -175,10 +177,10 @@ def test_copy_slots(target):
         else:
             a.set(x)
         before.append(x)
-    ops.copy_slots(cache, [1, 4], [5, 2])
+    ops.copy_slots(cache, src, dst)
     for a, x in zip(cache.conv + cache.rec, before):
         want = x.copy()
-        want[[5, 2]] = x[[1, 4]]
+        want[dst] = x[src]
         assert np.array_equal(np.asarray(a if device == "cpu" else a.get()), want)
 
 

@@ -150,13 +150,17 @@ class CudaBackend:
 
     def copy_slots(self, cache: Cache, src, dst) -> None:
         """One copy_rows launch over every layer's conv and recurrent array and every (src, dst) pair (for
-        the 4B a row is 24 x (2 MiB + 48 KiB)), on the current stream; the pairs go up in one small copy."""
+        the 4B a row is 24 x (2 MiB + 48 KiB)), on the current stream; several pairs go up in one small
+        copy, a single pair (a speculative rollback, on the host's critical path) rides in the arguments."""
         if not len(src):
             return
         bases, row_bytes, longest = cache.rows
-        pairs = cupy.asarray(np.array([x for p in zip(src, dst) for x in p], np.int32))
+        if len(src) == 1:
+            pairs, s0, d0 = np.uint64(0), int(src[0]), int(dst[0])
+        else:
+            pairs, s0, d0 = cupy.asarray(np.array([x for p in zip(src, dst) for x in p], np.int32)), 0, 0
         grid = (min(-(-longest // (16 * 256)), 64), len(bases), len(src))
-        self._fn("state_copy.cu", "copy_rows")(grid, (256,), (bases, row_bytes, pairs))
+        self._fn("state_copy.cu", "copy_rows")(grid, (256,), (bases, row_bytes, pairs, i32(s0), i32(d0)))
 
     def cache_budget(self, cfg, max_num_batched_tokens: int, max_num_seqs: int, utilization: float) -> int:
         """What `utilization` of the device leaves after the weights (already loaded) and a rough reserve
