@@ -12,7 +12,7 @@
 #define GDN_WARPS 4
 
 template <int DK>
-__global__ void __launch_bounds__(128) gdn_recurrent(
+__global__ void __launch_bounds__(128, 4) gdn_recurrent(
     const bf16_t* __restrict__ qkv, long long sq,   // [T, 2*nk*DK + nv*dv], row stride sq
     const bf16_t* __restrict__ a, long long sa,     // [T, nv] row stride sa
     const bf16_t* __restrict__ b, long long sb,     // [T, nv] row stride sb
@@ -49,16 +49,26 @@ __global__ void __launch_bounds__(128) gdn_recurrent(
     const float dtb = dt_bias[h];
     const float qscale = rsqrtf((float)DK);
 
-    for (int t = t0; t < t1; ++t) {
+    // token t's inputs (q, k of this thread's row, v of its column, the gate inputs a, b) are loaded while
+    // token t - 1 is computed: a verify's tokens then wait for one load latency, not one each
+    bf16_t in_q = 0, in_k = 0, in_v = 0, in_a = 0, in_b = 0;
+    auto load = [&](int t) {
         const bf16_t* row = qkv + (long long)t * sq;
-        float qv = 0.0f, kv = 0.0f;
         if (tid < DK) {
-            qv = bf2f(row[hk * DK + tid]);
-            kv = bf2f(row[nk * DK + hk * DK + tid]);
+            in_q = row[hk * DK + tid];
+            in_k = row[nk * DK + hk * DK + tid];
         }
-        const float vj = bf2f(row[2 * nk * DK + h * dv + col]);
-        const float decay = expf(-A * softplus_f(bf2f(a[(long long)t * sa + h]) + dtb));
-        const float beta = sigmoid_f(bf2f(b[(long long)t * sb + h]));
+        in_v = row[2 * nk * DK + h * dv + col];
+        in_a = a[(long long)t * sa + h];
+        in_b = b[(long long)t * sb + h];
+    };
+    if (t0 < t1) load(t0);
+    for (int t = t0; t < t1; ++t) {
+        const float qv = tid < DK ? bf2f(in_q) : 0.0f, kv = tid < DK ? bf2f(in_k) : 0.0f;
+        const float vj = bf2f(in_v);
+        const float decay = expf(-A * softplus_f(bf2f(in_a) + dtb));
+        const float beta = sigmoid_f(bf2f(in_b));
+        if (t + 1 < t1) load(t + 1);
         const float sqq = warp_sum(qv * qv), skk = warp_sum(kv * kv);
         if (lane == 0) { s_red[0][warp] = sqq; s_red[1][warp] = skk; }
         __syncthreads();
