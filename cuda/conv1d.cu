@@ -12,7 +12,8 @@
 // A thread owns 8 channels (16-byte loads and stores) of up to TT consecutive tokens (grid.y = the token
 // tiles): it slides the K-1 previous inputs along in registers, so each x row is read once, and reloads
 // them (from the slot's state or x) at the tile's first token and where a new sequence starts. Prefill
-// runs TT = 16; a step of decodes and verifies TT = 1 (a verify's few tokens in parallel threads). Each output sums w_j * x_j for j = 0 .. K-1 in order.
+// runs TT = 16; a step of decodes and verifies TT = 1 (a verify's few tokens in parallel threads). Each
+// output sums w_j * x_j for j = 0 .. K-1 in order.
 template <int K>
 __global__ void __launch_bounds__(128) conv1d_fwd(
     const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, const bf16_t* __restrict__ state,
