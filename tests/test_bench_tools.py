@@ -207,12 +207,19 @@ def test_gate_bounds_p99_and_max_by_the_steady_step_and_needs_validity():
     assert bx.gate(True, None, None, 5.0)[0] is False
 
 
-def test_host_breakdown_smoke(tiny_dir, capsys):
-    """tools/host_breakdown.py on the tiny model: both tables, the verify path's parts among the rows."""
+@pytest.mark.parametrize("threaded", [False, True])
+def test_host_breakdown_smoke(tiny_dir, capsys, threaded):
+    """tools/host_breakdown.py on the tiny model, stepped by hand and by the engine's loop thread: both
+    tables, the verify path's parts among the rows, the critical path of the speculative run's steps."""
     import host_breakdown as hb
-    hb.main([str(tiny_dir), "--device", "cpu", "--input-len", "40", "--output-len", "12", "--requests", "1"])
+    from engine.arrays import HostCopy
+    from engine.engine import Engine
+    before = (Engine.step, Engine._must_wait, HostCopy.result)
+    hb.main([str(tiny_dir), "--device", "cpu", "--input-len", "40", "--output-len", "12", "--requests", "1"]
+            + ["--threaded"] * threaded)
     out = capsys.readouterr().out
     assert "-- plain:" in out and "-- oracle p=0.8, K=3:" in out
     assert "Engine._on_verified" in out and "verify.finish" in out and "ModelRunner.forward" in out
-    from engine.engine import Engine
-    assert not hasattr(Engine.step, "__wrapped__")  # the methods are put back
+    plain, spec = out.split("-- oracle")
+    assert "critical path" not in plain and "critical path of" in spec  # plain steps run one ahead
+    assert (Engine.step, Engine._must_wait, HostCopy.result) == before  # the methods are put back
