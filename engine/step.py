@@ -56,13 +56,17 @@ class Step:
         wide."""
         return [T, T, B + 1, B, B, T, T, n_logits, B, B, B, B * width]
 
+    def token_blocks(self, block_size: int) -> np.ndarray:
+        """Per token the KV page its position falls in."""
+        seq = np.repeat(np.arange(self.num_seqs), np.diff(self.cu_seqlens))
+        return self.block_tables[seq, self.positions // block_size]
+
     def packed(self, block_size: int) -> np.ndarray:
         """FIELDS as one int32 array: the step's own, and per token its sequence (`seq`) and its flat KV row
         (`slot_mapping`: block * block_size + offset); save_at / save_rows 0 and spec_rows -1 when unset."""
         B = self.num_seqs
         seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(self.cu_seqlens))
-        blocks = self.block_tables[seq, self.positions // block_size]
-        slot_mapping = blocks.astype(np.int64) * block_size + self.positions % block_size
+        slot_mapping = self.token_blocks(block_size).astype(np.int64) * block_size + self.positions % block_size
         assert slot_mapping.max(initial=0) < 2 ** 31
         unset = np.zeros(B, np.int32)
         parts = [self.tokens, self.positions, self.cu_seqlens, self.slots, self.seq_lens, slot_mapping, seq,

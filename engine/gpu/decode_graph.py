@@ -145,7 +145,7 @@ class DecodeGraphs:
     def pad(self, step: Step, bucket: int | None = None) -> Step:
         """The step (a decode or a uniform verify) padded to its bucket (or `bucket`), block tables
         max_blocks_per_seq wide."""
-        k = self._check(step)
+        k, _ = self._check(step)
         return self._padded(step, self.bucket_for(step.num_seqs) if bucket is None else bucket, k)
 
     def _padded(self, step: Step | None, P: int, k: int) -> Step:
@@ -176,8 +176,9 @@ class DecodeGraphs:
                     block_tables=tables, seq_lens=seq_lens, logits_rows=np.arange(P * n, dtype=np.int32),
                     feed=step.feed, spec_rows=spec_rows)
 
-    def _check(self, step: Step, k: int | None = None) -> int:
-        """Validates a step for replay; returns its kind (kind(), or the caller's k from it)."""
+    def _check(self, step: Step, k: int | None = None) -> tuple[int, np.ndarray]:
+        """Validates a step for replay; returns its kind (kind(), or the caller's k from it) and each token's
+        KV page (Step.token_blocks, which _stage reuses)."""
         B = step.num_seqs
         if B < 1 or B > self.max_num_seqs:
             raise ValueError(f"decode batch of {B} sequences: need 1..{self.max_num_seqs}")
@@ -192,10 +193,10 @@ class DecodeGraphs:
             raise ValueError(f"context {int(step.seq_lens.max())} > max_ctx {self.max_ctx} of the graphs")
         if (step.slots == self.dummy_slot).any():
             raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
-        blk = step.block_tables[np.repeat(np.arange(B), n), step.positions // self.block_size]
-        if (blk == self.dummy_block).any():
+        blocks = step.token_blocks(self.block_size)
+        if (blocks == self.dummy_block).any():
             raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
-        return k
+        return k, blocks
 
     # ---- capture ---------------------------------------------------------------------------
     def _meta(self, pstep: Step, cache, out=None):
@@ -254,11 +255,11 @@ class DecodeGraphs:
         (captured on first use). A view into the graph's static output, valid until the next run().
         with_capture: (logits, the capture's arrays of the step's T rows), views likewise. kind: the step's
         kind() when the caller has it (it is not computed again)."""
-        k = self._check(step, kind)
+        k, blocks = self._check(step, kind)
         g = self.capture(self.bucket_for(step.num_seqs), k)
         stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
-        self._stage(g, step)
+        self._stage(g, step, blocks)
         cupy.cuda.runtime.memcpyAsync(g.buf.data.ptr, g.staging.ctypes.data, g.staging.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
         self.ops.feed(g.buf[:len(g.logits)], step.feed)
@@ -269,11 +270,11 @@ class DecodeGraphs:
             return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
         return g.logits[:T]
 
-    def _stage(self, g: _Captured, step: Step) -> None:
+    def _stage(self, g: _Captured, step: Step, blocks: np.ndarray) -> None:
         """g.staging := Step.packed of the step padded to g's bucket (what _padded then packed would give),
         written directly: the bucket's all-padding template, then the step's own rows over it (each field
         holds the real sequences' rows first; cu_seqlens, seq, logits_rows and the saves are the template's
-        for a uniform step)."""
+        for a uniform step). blocks: each token's KV page (_check's)."""
         P, n, W, B, bs = g.bucket, 1 + g.k, self.max_blocks_per_seq, step.num_seqs, self.block_size
         st = g.staging
         st[...] = g.template
@@ -285,8 +286,7 @@ class DecodeGraphs:
         for name, rows in (("tokens", step.tokens), ("positions", step.positions), ("slots", step.slots),
                            ("seq_lens", step.seq_lens)):
             st[f[name]:f[name] + len(rows)] = rows
-        pos = step.positions
-        st[f["slot_mapping"]:f["slot_mapping"] + t] = tables[np.repeat(np.arange(B), n), pos // bs] * bs + pos % bs
+        st[f["slot_mapping"]:f["slot_mapping"] + t] = blocks * bs + step.positions % bs
         if g.k:
             st[f["spec_rows"]:f["spec_rows"] + B] = step.spec_rows
 
