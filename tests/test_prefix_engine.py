@@ -20,6 +20,7 @@ import pytest
 from engine.engine import Engine
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from test_spec_decode import Oracle
 
 CPU_TOL = 5e-4
 GPU_NOISE = 0.12
@@ -396,23 +397,7 @@ def test_an_empty_snapshot_pool_serves_cold(target, engines):
     empty.assert_idle(mem)
 
 
-# ---- with speculative decoding (the n-gram method's engine; test drafters) ------------------------------
-class _Recorded:
-    """A drafter proposing a recorded continuation of each prompt, its first `right` tokens as they are and
-    the rest off by one (engine/drafter.py's interface)."""
-    capture = None
-
-    def __init__(self, right: int):
-        self.plain, self.right = {}, right
-
-    def propose(self, reqs, rooms):
-        out = []
-        for req, k in zip(reqs, rooms):
-            want = self.plain.get(tuple(req.prompt_ids), [])[len(req.output_ids):][:k]
-            out.append([t if i < self.right else (t + 1) % 1000 for i, t in enumerate(want)])
-        return out
-
-
+# ---- with speculative decoding (the n-gram method's engine; a test drafter) ------------------------------
 def test_speculation_with_prefix_caching(tiny_dir):
     """Prefix caching beside speculative decoding: over three turns of a conversation the speculating,
     caching engine gives the cold engine's greedy tokens, hits the rolling decode snapshots at the same
@@ -423,7 +408,7 @@ def test_speculation_with_prefix_caching(tiny_dir):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     target = (tiny_dir, "cpu")
     warm, cold = Run(target, enable_prefix_caching=True, speculative_config=spec), Run(target)
-    drafter = warm.eng.drafter = _Recorded(right=2)
+    drafter = warm.eng.drafter = Oracle({}, right=2)  # the cold run's tokens, recorded per turn below
     n0, d0 = len(warm.steps), warm.eng.stats().spec_decode_num_drafts
     rng = np.random.default_rng(2)
     convo, hits = ids(rng, 100), []
