@@ -25,7 +25,7 @@ from .arrays import as_f32, to_numpy
 from .config import ConfigError, ModelConfig
 from .drafter import Drafter, StepRecord
 from .model import Capture
-from .request import Request, Status
+from .request import Request
 from .step import Step
 from .weights import WeightError, read_safetensors
 
@@ -207,7 +207,6 @@ class DFlashDrafter(Drafter):
                                           block_size)
 
     def observe(self, record: StepRecord) -> None:
-        self.forget_finished()
         self.append(record.captured["taps"], record.committed())
 
     # ---- context ------------------------------------------------------------------------
@@ -236,9 +235,8 @@ class DFlashDrafter(Drafter):
         for req, pos, _, n in spans:
             self.context[req] = pos + n
 
-    def forget_finished(self) -> None:
-        for req in [r for r in self.context if r.status is Status.FINISHED]:
-            del self.context[req]
+    def forget(self, req: Request) -> None:
+        self.context.pop(req, None)
 
     # ---- draft --------------------------------------------------------------------------
     def block_logits(self, reqs: list[Request], rooms: list[int] | None = None):

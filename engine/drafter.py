@@ -8,8 +8,10 @@ target. An empty proposal is fine: that request decodes plainly this step. Test 
 
 A drafter that reads the target's activations (MTP: the post-norm hidden; mtp.py) names them in
 `capture`: the runner then has every forward keep them (model.Capture) with where each request's rows
-are (`StepRecord`), and the engine hands each step's record to `observe()` once its tokens are collected,
-before it asks for the next proposals.
+are (`StepRecord`), and the engine hands each step's record to `observe()` before it asks for the next
+proposals: a verify's once its tokens are collected (how many of its rows commit is known then), any
+other step's as soon as its sampling is launched (every row commits; the tokens it samples are on the
+device, `StepRecord.sampled`), so that steps in which no request drafts need not wait for the device.
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ class StepRecord:
     first_row.. of the step are positions base_pos.. ."""
     captured: dict
     rows: list[tuple[Request, int, int, int]]
+    sampled: tuple | None = None  # (request -> row, token ids [R] on the device): what the step samples
 
     def committed(self) -> list[tuple[Request, int, int, int]]:
-        """Once the step's tokens are collected: (req, base_pos, first_row, rows committed) per request
-        still running with at least one committed row. A verify that accepted a of k drafts commits
-        a + 1 rows, a prefill chunk all of them (req.num_computed counts what the target committed)."""
+        """(req, base_pos, first_row, rows committed) per request still running with at least one committed
+        row. A verify that accepted a of k drafts commits a + 1 rows (known once its tokens are collected),
+        a decode or a prefill chunk all of them (req.num_computed counts what the target committed)."""
         out = []
         for req, base, first, n in self.rows:
             n = min(n, req.num_computed - base)
@@ -61,11 +64,15 @@ class Drafter:
         return 0, 0
 
     def observe(self, record: StepRecord) -> None:
-        """The last collected step (only with a capture)."""
+        """A launched step, before the next one is (only with a capture): a verify once collected, any other
+        step once its sampling is launched."""
 
     def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
         """Up to rooms[i] draft tokens to follow each request's tokens (the last one is its pending token)."""
         raise NotImplementedError
+
+    def forget(self, req: Request) -> None:
+        """req has ended: drop what the drafter keeps for it."""
 
 
 class NgramDrafter(Drafter):

@@ -307,13 +307,14 @@ class Engine:
         is computed and dropped (its KV reservation covers it). Results arrive one step() later: a
         step's tokens are delivered by the next call.
 
-        With speculative decoding a step that may verify collects first, then shows the drafter what the
-        collected step committed (drafter.py: observe, for a drafter with a capture), then asks it, then
+        With speculative decoding a step that may verify collects first, then shows the drafter what a
+        collected verify committed (drafter.py: observe, for a drafter with a capture), then asks it, then
         schedules: a request's drafts continue its latest tokens, and where its next step starts depends
         on how many drafts its last verify accepted, both known only once its tokens are on the host. So
         the device waits while the host proposes, schedules and launches; the collected tokens' events
         are sent after the launch. A step in which no request can draft (every speculating request
-        paused, see _propose) runs as above, one step ahead, unless the drafter reads every step."""
+        paused, see _propose) runs as above, one step ahead; a drafter with a capture observes a step
+        without verifies as soon as its sampling is launched (_schedule_and_launch)."""
         self._drain(block and not self._requests and self._inflight is None)
         t0 = time.perf_counter()
         self._step_no += 1
@@ -321,7 +322,7 @@ class Engine:
         if sync:
             self._deferred = []  # the collected tokens' events go out once the next step is launched
             self._flush(t0)                                                 # 0. step n's tokens first
-            if self._record is not None:  # what step n committed, for a drafter that reads the target
+            if self._record is not None:  # what verify n committed, for a drafter that reads the target
                 self.drafter.observe(self._record)
                 self._record = None
         if self.drafter is not None:
@@ -349,6 +350,8 @@ class Engine:
         t3 = time.perf_counter()
         if launched is not None and launched.sampled:
             error = self._launch_sampling(launched)                         #    and step n+1's sampling
+        if launched is not None and launched.record is not None and not launched.drafts and error is None:
+            self.drafter.observe(launched.record)  # every row commits: no need to wait for its tokens
         if info is not None:
             info.update(launch_ms=(t2 - t1) * 1e3, sample_ms=(time.perf_counter() - t3) * 1e3)
             if error is not None:  # its line now: nothing of it is in flight
@@ -367,11 +370,10 @@ class Engine:
 
     def _must_wait(self) -> bool:
         """Whether the next step must wait for the one in flight: a request in it may draft (its drafts
-        continue tokens not collected yet), a verify in flight decides where its request goes on, or the
-        drafter observes every step."""
+        continue tokens not collected yet), or a verify in flight decides where its request goes on (and,
+        for a drafter with a capture, what it committed)."""
         s = self._inflight
-        return (self.drafter.capture is not None or (s is not None and s.verify is not None)
-                or any(self._room(req) for req in self.scheduler.running))
+        return (s is not None and s.verify is not None) or any(self._room(req) for req in self.scheduler.running)
 
     def _propose(self) -> None:
         """Drafts for each running request about to decode (_room). A request whose proposals brought no
@@ -424,7 +426,7 @@ class Engine:
             return None, e.with_traceback(None)  # its frames would hold the step's device arrays until a GC pass
         if plan is not None:
             self._launched_plans.append(plan)
-        self._record = launched.record
+        self._record = launched.record if launched.drafts else None  # a verify's: observed once collected
         for req, n in batch:
             self.scheduler.advance(req, n)
             self._stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) -
@@ -565,6 +567,8 @@ class Engine:
             "speculative": req.spec_row is not None, "draft_tokens": req.num_draft_tokens,
             "accepted_tokens": req.num_accepted_tokens}
         self.scheduler.finish(req)
+        if self.drafter is not None:
+            self.drafter.forget(req)
         self._requests.pop(req.request_id, None)
         self._stats.finished[reason] = self._stats.finished.get(reason, 0) + 1
         out = out or RequestOutput(req.request_id, [], "", prompt_tokens=len(req.prompt_ids),

@@ -7,8 +7,9 @@ so no concat), one full-attention decoder layer of the target's kind at RoPE pos
 the target's lm_head on g scores the token at p + 2. Written against the op interface (ops.py), with the
 model's own attention and MLP code, so it runs on every backend.
 
-- observe(): the "first pass" over the rows the target just committed (row p gets token x_{p+1}, known on the
-  host once the step is collected), one batched step for all requests; it writes the head's KV at those
+- observe(): the "first pass" over the rows the target just committed (row p gets token x_{p+1}: known on the
+  host, or for a sampled request's last row of a step observed before it is collected the token the step
+  samples, fed on the device), one batched step for all requests; it writes the head's KV at those
   positions and keeps, per request, g at its last committed row.
 - propose(): d_1 = argmax(lm_head(g)); each further draft chains (d_s, g) at the next position, batched across
   requests per chain step; the drafts come to the host once, at the end.
@@ -25,7 +26,7 @@ from .arrays import array_module, as_f32, to_numpy
 from .config import FULL
 from .drafter import Drafter, StepRecord
 from .model import Capture, Qwen35Model, layer_weights
-from .request import Request, Status
+from .request import Request
 from .step import Step
 
 
@@ -64,23 +65,34 @@ class MtpDrafter(Drafter):
         return sum(a.nbytes for a in arrays + [v for v in self.layer.values() if hasattr(v, "nbytes")])
 
     def observe(self, record: StepRecord) -> None:
-        self._last = {req: v for req, v in self._last.items() if req.status is Status.RUNNING}
         done = record.committed()
         if not done:
             return
-        chunks, rows = [], []
+        chunks, rows, fed, src = [], [], [], []
         for req, base, first, n in done:
             ids = req.token_ids(base + 1, base + n + 1)  # shifted left by one: row p gets x_{p+1}
+            if len(ids) == n - 1:  # its last row's x_{p+1} is what the step samples: fed on the device
+                assert record.sampled is not None and req in record.sampled[0], (req.request_id, base, n)
+                fed.append(len(rows) + n - 1)
+                src.append(record.sampled[0][req])
+                ids.append(0)
             assert len(ids) == n, (req.request_id, base, n)
             chunks.append((ids, base, req.slot, req.block_ids))
             rows.extend(range(first, first + n))
         hidden = self.ops.gather_rows(record.captured[self._key], np.array(rows, np.int32))
-        g = self._forward(Step.build(chunks), hidden)
+        feed = None
+        if fed:
+            tokens = record.sampled[1]
+            feed = (np.array(fed, np.int64), tokens[array_module(tokens).asarray(np.array(src, np.int64))])
+        g = self._forward(Step.build(chunks, feed=feed), hidden)
         for i, (req, base, _, n) in enumerate(done):
             self._last[req] = (g, i, base + n - 1)
 
     def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
         return self.draft(reqs, rooms)[0]
+
+    def forget(self, req: Request) -> None:
+        self._last.pop(req, None)
 
     def draft(self, reqs: list[Request], rooms: list[int]) -> tuple[list[list[int]], list[tuple[list[int], object]]]:
         """(drafts per request, per chain step (the requests' indices, their logits [n, V] f32 on the device)).

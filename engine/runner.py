@@ -225,8 +225,11 @@ class ModelRunner:
                 tokens = tokens.astype(xp.int64)
                 tokens[di] = draw.tokens
         marks = (start, self.ops.mark()) if self.timing else ()
-        return SamplingInFlight(reqs + (verifying.reqs if verifying else []), {req: j for j, req in enumerate(reqs)},
-                                tokens, HostCopy(top), draw, drawn, errors, marks, verifying)
+        row = {req: j for j, req in enumerate(reqs)}
+        if launched.record is not None:
+            launched.record.sampled = (row, tokens)
+        return SamplingInFlight(reqs + (verifying.reqs if verifying else []), row, tokens, HostCopy(top), draw, drawn,
+                                errors, marks, verifying)
 
     def collect(self, s: SamplingInFlight) -> list[tuple[Request, SampledToken | Verified | Exception]]:
         """Waits for the sampling and returns, per request, its token (a verify's: its tokens) or the

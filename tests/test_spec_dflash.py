@@ -150,8 +150,7 @@ def test_context_append_must_continue(drafter_dir, target):
     req.num_computed = 11
     with pytest.raises(RuntimeError, match="the target committed 11"):
         d.propose([req], [3])
-    req.status = Status.FINISHED
-    d.forget_finished()
+    d.forget(req)
     assert d.context == {}
 
 
@@ -251,6 +250,9 @@ class Checked(Drafter):
         drafts = self.inner.propose(reqs, rooms)
         return drafts if self.forced is None else [d[:0] + self.forced.propose([r], [k])[0]
                                                    for r, k, d in zip(reqs, rooms, drafts)]
+
+    def forget(self, req):
+        self.inner.forget(req)
 
 
 def _dflash_run(target, drafter_dir, prompts, sp, forced=None, drafting=None, k=15, **kw):

@@ -254,6 +254,36 @@ def test_drafts_after_verifies_equal_reference(tiny_dir, ref):
     assert_idle(eng)
 
 
+def test_failing_mtp_runs_ahead_while_paused(tiny_dir, ref):
+    """An MTP whose drafts are all rejected pauses (engine._missed); the steps in which no request drafts run
+    one ahead (their decode fed on the device) and the head observes each as its sampling is launched, the
+    token the step samples fed on the device: whenever the request proposes again, its drafts and logits
+    equal the transcription's from the whole sequence; tokens equal plain greedy; nothing is kept after."""
+    p, sp = prompt(8, 37), SamplingParams(max_tokens=48, **GREEDY)
+    want, _, _, _ = run(tiny_dir, [p], sp)
+    eng, col = make(tiny_dir, speculative_config=MTP)
+    d = _swap(eng, tiny_dir, OracleMtp, plain={tuple(p): want[0]}, right=0)
+    fed, real = [], eng.runner.forward
+    eng.runner.forward = lambda batch, prev, plan=None: fed.append(prev is not None) or real(batch, prev, plan)
+    checked, propose = [], d.propose
+
+    def checking(reqs, rooms):
+        for req in reqs:
+            _check(ref, d, req, 3)
+            checked.append(req.num_computed)
+        return propose(reqs, rooms)
+    d.propose = checking
+    rid = eng.submit(p, sp, col)
+    drive(eng, col, [rid])
+    eng.step()
+    assert col.tokens(rid) == want[0]
+    st = eng.stats()
+    assert st.spec_decode_num_drafts == len(checked) and st.spec_decode_num_accepted_tokens == 0
+    assert len(checked) >= 6 and sum(fed) >= 20  # proposals after pauses; most steps ran one ahead
+    assert d._last == {}
+    assert_idle(eng)
+
+
 # ---- greedy identity ---------------------------------------------------------------------------------------
 class SomeMtp(MtpDrafter):
     """The MTP proposing for the prompts in `only` alone: the others decode plainly in the same batches."""
