@@ -480,7 +480,7 @@ class Engine:
             elif isinstance(res, Verified):
                 self._on_verified(req, res)
             else:
-                self._on_token(req, res)
+                self._on_tokens(req, [res])
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
 
     def _abandon(self, plans) -> None:
@@ -524,21 +524,22 @@ class Engine:
             return
         self._requests[req.request_id] = req
 
-    def _on_token(self, req: Request, res) -> None:
-        self._stats.generation_tokens += 1
+    def _on_tokens(self, req: Request, tokens: list) -> None:
+        """One step's tokens (SampledToken): one event (serving-conventions §2.4), or the final one."""
         try:
-            out, done = req.add_token(res.token_id, res.logprob)
+            out, done = req.add_tokens([(t.token_id, t.logprob) for t in tokens])
         except Exception as e:  # noqa: BLE001 - a detokenizer failure ends this request only
             self._finish(req, "error", error=f"detokenization failed: {type(e).__name__}: {e}")
             return
+        self._stats.generation_tokens += len(out.new_token_ids)
         if done:
             self._finish(req, done[0], done[1], out)
         else:
             self._emit(req, out)
 
     def _on_verified(self, req: Request, res: Verified) -> None:
-        """A verify's tokens, delivered one by one as plain decoding would (stop tokens, stop strings and
-        max_tokens end the request at the first that finishes it); if a draft was rejected, the state
+        """A verify's tokens, in one event, each applied as plain decoding would (stop tokens, stop strings
+        and max_tokens end the request at the first that finishes it); if a draft was rejected, the state
         goes back to the last accepted token's."""
         s, accepted = self._stats, len(res.tokens) - 1
         s.spec_decode_num_drafts += 1
@@ -546,10 +547,9 @@ class Engine:
         s.spec_decode_num_accepted_tokens += accepted
         req.num_draft_tokens += res.drafted
         req.num_accepted_tokens += accepted
-        for tok in res.tokens:
-            self._on_token(req, tok)
-            if req.status is not Status.RUNNING:
-                return
+        self._on_tokens(req, res.tokens)
+        if req.status is not Status.RUNNING:
+            return
         if accepted:
             req.spec_misses = 0
         else:

@@ -139,26 +139,32 @@ class Request:
             return "length", None
         return None
 
-    def add_token(self, token_id: int, logprob: tuple | None) -> tuple[RequestOutput, tuple | None]:
-        """Appends a sampled token: detokenizes it, applies stop tokens and stop strings. Returns the
-        step's event and (finish_reason, stop_reason) if the request is done. logprob: (chosen, top
-        ids, top logprobs) or None."""
-        self.output_ids.append(token_id)
-        done = self.stop_check(token_id)
-        delta = "" if done and done[0] == "stop" else self.detokenizer.add(token_id)  # stop tokens add no text
-        if done:
-            delta += self.detokenizer.flush()
-        text, matched = self.stop_buffer.feed(delta, check=len(self.output_ids) >= self.params.min_tokens)
-        if matched is not None:
-            done = ("stop", matched)
-        elif done:
-            text += self.stop_buffer.flush()
-        lp = None
-        if logprob is not None:
-            chosen, top_ids, top_lps = logprob
-            lp = [TokenLogprob(token_id, chosen, dict(zip(top_ids, top_lps)))]
-        out = RequestOutput(self.request_id, [token_id], text, prompt_tokens=len(self.prompt_ids),
-                            completion_tokens=len(self.output_ids), logprobs=lp)
-        if len(self.output_ids) == 1:
+    def add_tokens(self, tokens: list) -> tuple[RequestOutput, tuple | None]:
+        """Appends one step's sampled tokens (a verify's may be several), each detokenized and checked for
+        stop tokens and stop strings as if alone, up to the first that ends the request. Returns the
+        step's one event and (finish_reason, stop_reason) if the request is done. tokens: (token id,
+        logprob) pairs, a logprob (chosen, top ids, top logprobs) or None."""
+        ids, text, lps, done = [], [], [], None
+        for token_id, logprob in tokens:
+            self.output_ids.append(token_id)
+            ids.append(token_id)
+            done = self.stop_check(token_id)
+            delta = "" if done and done[0] == "stop" else self.detokenizer.add(token_id)  # stop tokens add no text
+            if done:
+                delta += self.detokenizer.flush()
+            piece, matched = self.stop_buffer.feed(delta, check=len(self.output_ids) >= self.params.min_tokens)
+            text.append(piece)
+            if logprob is not None:
+                chosen, top_ids, top_lps = logprob
+                lps.append(TokenLogprob(token_id, chosen, dict(zip(top_ids, top_lps))))
+            if matched is not None:
+                done = ("stop", matched)
+            elif done:
+                text.append(self.stop_buffer.flush())
+            if done:
+                break
+        out = RequestOutput(self.request_id, ids, "".join(text), prompt_tokens=len(self.prompt_ids),
+                            completion_tokens=len(self.output_ids), logprobs=lps or None)
+        if len(self.output_ids) == len(ids):
             out.queue_time = self.scheduled_at - self.arrival
         return out, done

@@ -517,6 +517,9 @@ def test_max_tokens_stop_and_eos_inside_an_accepted_run(tiny_dir):
         a, _, ca, ra = run(tiny_dir, PROMPTS[:1], sp)
         b, eng, cb, rb = run(tiny_dir, PROMPTS[:1], sp, spec, oracle)
         assert a == b and ca.text(ra[0]) == cb.text(rb[0])
+        steps = [e.new_token_ids for e in cb.events[rb[0]] if e.new_token_ids]
+        assert max(map(len, steps)) > 1 and sum(steps, []) == b[0]  # one event per step, a verify's tokens in it
+        assert cb.last(rb[0]).completion_tokens == len(b[0])
         assert (ca.last(ra[0]).finish_reason, ca.last(ra[0]).stop_reason) == \
                (cb.last(rb[0]).finish_reason, cb.last(rb[0]).stop_reason)
         assert eng.stats().spec_decode_num_accepted_tokens > 0
@@ -574,8 +577,8 @@ def test_non_finite_verify_row_ends_that_request_alone(tiny_dir):
 
 
 def test_server_streams_verified_tokens_and_counts_them(tiny_dir):
-    """Through the HTTP server: a speculating request's completion, whole and streamed (several tokens
-    per step, one event each), is the plain greedy text, and /metrics counts the drafts."""
+    """Through the HTTP server: a speculating request's completion, whole and streamed (one chunk per
+    step, a verify's several tokens in one), is the plain greedy text, and /metrics counts the drafts."""
     import json
 
     from starlette.testclient import TestClient
@@ -597,6 +600,7 @@ def test_server_streams_verified_tokens_and_counts_them(tiny_dir):
             with c.stream("POST", "/v1/completions", json=dict(req, stream=True)) as s:
                 chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
             assert "".join(ch["choices"][0]["text"] for ch in chunks) == col.text(rids[0])
+            assert len(chunks) == 4  # the prefill's token, then verifies emitting 2, 5 and 2 tokens
             text = c.get("/metrics").text
     finally:
         eng.shutdown()

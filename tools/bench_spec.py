@@ -21,9 +21,9 @@ Acceptance in (b) and (c): accepted / drafted from the engine's spec_decode coun
 position the share of the verifies reaching it (every draft before it accepted) that accepted it, read
 from the runner's verify results. `diverged` counts requests whose tokens differ from the plain run's
 (0 on the CPU; on the GPU a verify's bf16 rows may flip a near-tie, and an oracle then drafts from a
-continuation that is no longer the target's). ITL is between stream events as vLLM defines it, but this
-engine streams each token of a verify as its own event: with speculation the median ITL is the ~0 gap
-inside a verify's burst and the p99 the gap between steps; TPOT is the figure to compare.
+continuation that is no longer the target's). ITL is between stream events as vLLM defines it: one event
+per step, a verify's tokens in one (before commit 9ba4586+1 each token of a verify was its own event, and
+the median ITL the ~0 gap inside a verify's burst); TPOT is the figure to compare.
 
     python3 tools/bench_spec.py MODEL_DIR --json spec.json --md spec.md [--sections a,b,c] [--commit SHA]
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' ...]

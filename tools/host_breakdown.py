@@ -59,7 +59,7 @@ def instrument(gpu: bool) -> list:
     """Wraps the methods; returns what restore() puts back."""
     undo: list = []
     owners = [(Engine, ["step", "_flush", "_collect", "_propose", "_launch", "_launch_sampling", "_send_deferred",
-                        "_on_verified", "_on_token", "_schedule_and_launch", "_must_wait"]),
+                        "_on_verified", "_on_tokens", "_schedule_and_launch", "_must_wait"]),
               (R.ModelRunner, ["forward", "sample", "collect", "roll_back"])]
     if gpu:
         from engine.gpu import backend as BK, decode_graph as DG
