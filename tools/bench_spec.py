@@ -22,7 +22,7 @@ position the share of the verifies reaching it (every draft before it accepted) 
 from the runner's verify results. `diverged` counts requests whose tokens differ from the plain run's
 (0 on the CPU; on the GPU a verify's bf16 rows may flip a near-tie, and an oracle then drafts from a
 continuation that is no longer the target's). ITL is between stream events as vLLM defines it: one event
-per step, a verify's tokens in one (before commit 9ba4586+1 each token of a verify was its own event, and
+per step, a verify's tokens in one (before commit bffb49a each token of a verify was its own event, and
 the median ITL the ~0 gap inside a verify's burst); TPOT is the figure to compare.
 
     python3 tools/bench_spec.py MODEL_DIR --json spec.json --md spec.md [--sections a,b,c] [--commit SHA]
