@@ -35,12 +35,15 @@ def test_target_row():
 
 def test_end_to_end_on_cpu(tiny_dir, tmp_path, capsys):
     """Every section on the NumPy backend: (a) one K at two batch sizes, (b) plain, accept-all and a 0.6
-    oracle at K = 2, (c) the n-gram drafter and a drafter the engine refuses; then --from-json."""
+    oracle at K = 2, (c) the n-gram drafter, the MTP alone and with accept-all oracle drafts instead of its
+    own, and a drafter the engine refuses; then --from-json."""
     out, md = tmp_path / "spec.json", tmp_path / "spec.md"
     ngram = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
     doc = bsp.main([str(tiny_dir), "--device", "cpu", "--max-model-len", "96", "--verify-ks", "2", "--batches", "1,2",
                     "--ctx", "8", "--steps", "1", "--input-len", "8", "--output-len", "16", "--concurrency", "1",
-                    "--k", "2", "--oracle-p", "1,0.6", "--speculative-config", ngram,
+                    "--k", "2", "--oracle-p", "1,0.6", "--speculative-config", ngram, "--speculative-config", mtp,
+                    "--drafter-oracle-p", "1",
                     "--speculative-config", '{"method": "nope", "num_speculative_tokens": 1}',
                     "--commit", "abc123", "--json", str(out), "--md", str(md)])
     saved = json.loads(out.read_text())
@@ -56,9 +59,11 @@ def test_end_to_end_on_cpu(tiny_dir, tmp_path, capsys):
 
     # (b), (c): greedy tokens equal the plain run's (CPU), acceptance as the oracles are built
     by = {r["label"]: r for r in saved["e2e"]}
-    assert set(by) == {"plain", "accept-all", "oracle p=0.6", ngram, '{"method": "nope", "num_speculative_tokens": 1}'}
+    mtp_oracle = f"{mtp}, accept-all drafts"  # the n-gram drafter has no weights: no such row
+    assert set(by) == {"plain", "accept-all", "oracle p=0.6", ngram, mtp, mtp_oracle,
+                       '{"method": "nope", "num_speculative_tokens": 1}'}
     assert "not supported" in by['{"method": "nope", "num_speculative_tokens": 1}']["error"]
-    for label in ("plain", "accept-all", "oracle p=0.6", ngram):
+    for label in ("plain", "accept-all", "oracle p=0.6", ngram, mtp, mtp_oracle):
         r = by[label]
         assert (r["requests"], r["failed"], r["concurrency"]) == (4, 0, 1)
         assert r["median_tpot_ms"] > 0 and r["median_itl_ms"] >= 0 and r["output_throughput"] > 0
@@ -76,6 +81,7 @@ def test_end_to_end_on_cpu(tiny_dir, tmp_path, capsys):
     # the engine's counters agree with the per-position tally
     assert p6["accepted_tokens"] == round(accepted) and p6["draft_tokens"] >= sum(reached)
     assert by[ngram]["k"] == 2 and by[ngram]["drafts"] >= 0
+    assert by[mtp_oracle]["acceptance"] == 1.0 and by[mtp_oracle]["per_position_acceptance"] == [1.0, 1.0]
 
     # (d) from (a)'s times, and the report
     proj = saved["projection"]

@@ -10,7 +10,10 @@
       (p = 1: accept-all) independently per position (tools/spec_oracles.py), at each K of --k.
       TPOT, ITL and tok/s are bench_serving.py's (vLLM's; ITL is between stream events, which carry a
       verify's tokens together).
-  (c) The drafters of --speculative-config (the JSON goes to the engine as is), on the same workload.
+  (c) The drafters of --speculative-config (the JSON goes to the engine as is), on the same workload; a
+      drafter with weights (MTP, DFlash) also at each p of --drafter-oracle-p: it observes and proposes as
+      usual, and the oracle's drafts are verified instead of its own (its cost at a controlled acceptance,
+      which random weights cannot give it).
   (d) Projected TPOT at per-position acceptance vectors (--accept): tau = 1 + sum_j prod_{i<=j} p_i tokens
       per verify, projected TPOT = verify step time (a) / tau; a vector shorter than K holds its last
       value. It assumes every step is a verify of K drafts, as (b)'s oracles make them; (b) measures what
@@ -47,7 +50,7 @@ from engine.runner import Verified  # noqa: E402
 from tools.bench_engine import run_engine, run_level  # noqa: E402
 from tools.bench_serving import calculate_metrics  # noqa: E402
 from tools.run_meta import device_name, run_meta  # noqa: E402
-from tools.spec_oracles import RecordedOracle  # noqa: E402
+from tools.spec_oracles import OracleOverDrafter, RecordedOracle  # noqa: E402
 from tools.step_timer import time_per_call  # noqa: E402
 
 VECTORS = {"MTP": [0.96, 0.80, 0.64], "DFlash": [0.91, 0.80, 0.69, 0.59]}  # issue #19's per-position rates
@@ -316,6 +319,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--oracle-p", default="1,0.9,0.8,0.6", help="(b) per-position acceptance of the oracles")
     ap.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
                     help="(c) a drafter, as the engine's --speculative-config (repeatable)")
+    ap.add_argument("--drafter-oracle-p", default="0.8",
+                    help="(c) drafters with weights also with an oracle's drafts at these p ('': none)")
     ap.add_argument("--accept", action="append", default=[], metavar="NAME=P1/P2/...",
                     help="(d) a per-position acceptance vector (default: issue #19's MTP and DFlash)")
     ap.add_argument("--trace-steps", metavar="FILE", help="every engine's step trace (tools/trace_report.py)")
@@ -375,11 +380,18 @@ def measure(a) -> dict:
                 for p in (float(x) for x in a.oracle_p.split(",")):
                     e2e(eng, oracle_label(p), k, lambda c, p=p: RecordedOracle(recorded, p, vocab, seed=c))
         run_engine(a.model_dir, work, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
+    def drafter(eng, spec, k):
+        e2e(eng, spec, k)
+        inner, vocab = eng.drafter, eng.cfg.vocab_size
+        for p in (float(x) for x in a.drafter_oracle_p.split(",") if x) if inner.capture is not None else ():
+            e2e(eng, f"{spec}, {oracle_label(p)} drafts", k,
+                lambda c, p=p: OracleOverDrafter(inner, RecordedOracle(recorded, p, vocab, seed=c)))
+
     if "c" in sections:
         for spec in a.speculative_config:
             k = json.loads(spec).get("num_speculative_tokens")
             try:
-                run_engine(a.model_dir, lambda eng: e2e(eng, spec, k), speculative_config=spec, **kw)
+                run_engine(a.model_dir, lambda eng: drafter(eng, spec, k), speculative_config=spec, **kw)
             except Exception as e:  # noqa: BLE001 - a drafter not built yet: say so, measure the rest
                 doc["e2e"].append({"label": spec, "k": k, "error": f"{type(e).__name__}: {e}"})
                 print(f"(c) {spec}: {type(e).__name__}: {e}", flush=True)
