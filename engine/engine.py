@@ -193,7 +193,7 @@ class Engine:
         self._inflight_plans: list[Plan] = []      # complete when self._inflight is collected
         self._step_trace = None                    # (line, forward marks) of the last launched step
         self._record = None                        # speculative decoding: the last launched step's StepRecord
-        self._deferred = None                      # events held back until the step is launched (step())
+        self._deferred = None                      # events, and tokens to render, held back until the step is launched
         self._step_no = 0                          # step() calls (speculation pauses end at step numbers)
         self._last_step_end = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="qwen35-engine", daemon=True)
@@ -409,9 +409,14 @@ class Engine:
         return len(req.output_ids) + req.pending if req.generator is not None else self._step_no
 
     def _send_deferred(self) -> None:
+        """A synchronous step's events, once the next step is launched: its collected tokens' text
+        (_on_tokens) and the events held back."""
         deferred, self._deferred = self._deferred, None
-        for req, out in deferred:
-            self._emit(req, out)
+        for req, x in deferred:
+            if isinstance(x, RequestOutput):
+                self._emit(req, x)
+            else:
+                self._render(req, x, None)
 
     def _launch(self, batch) -> tuple[ForwardInFlight | None, Exception | None]:
         with self._lock:  # a request's first chunk starts at its cached tokens (0 without a prefix hit)
@@ -525,16 +530,27 @@ class Engine:
         self._requests[req.request_id] = req
 
     def _on_tokens(self, req: Request, tokens: list) -> None:
-        """One step's tokens (SampledToken): one event (serving-conventions §2.4), or the final one."""
+        """One step's tokens (SampledToken): one event (serving-conventions §2.4), or the final one. In a
+        synchronous step (speculation, step()) only what the next schedule needs happens now (the tokens
+        appended, stop tokens and max_tokens); their text, stop strings and event come after the launch."""
+        n, done = req.commit([t.token_id for t in tokens])
+        pairs = [(t.token_id, t.logprob) for t in tokens[:n]]
+        if self._deferred is not None and done is None:
+            self._deferred.append((req, pairs))
+        else:
+            self._render(req, pairs, done)
+
+    def _render(self, req: Request, pairs: list, done: tuple | None) -> None:
         try:
-            out, done = req.add_tokens([(t.token_id, t.logprob) for t in tokens])
+            out, done = req.render(pairs, done)
         except Exception as e:  # noqa: BLE001 - a detokenizer failure ends this request only
-            self._finish(req, "error", error=f"detokenization failed: {type(e).__name__}: {e}")
+            if req.status is Status.RUNNING:
+                self._finish(req, "error", error=f"detokenization failed: {type(e).__name__}: {e}")
             return
         self._stats.generation_tokens += len(out.new_token_ids)
-        if done:
+        if done and req.status is Status.RUNNING:
             self._finish(req, done[0], done[1], out)
-        else:
+        else:  # (a step rendered after its launch may have ended the request meanwhile: its event still goes)
             self._emit(req, out)
 
     def _on_verified(self, req: Request, res: Verified) -> None:

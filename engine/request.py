@@ -140,31 +140,49 @@ class Request:
         return None
 
     def add_tokens(self, tokens: list) -> tuple[RequestOutput, tuple | None]:
-        """Appends one step's sampled tokens (a verify's may be several), each detokenized and checked for
-        stop tokens and stop strings as if alone, up to the first that ends the request. Returns the
-        step's one event and (finish_reason, stop_reason) if the request is done. tokens: (token id,
-        logprob) pairs, a logprob (chosen, top ids, top logprobs) or None."""
-        ids, text, lps, done = [], [], [], None
-        for token_id, logprob in tokens:
-            self.output_ids.append(token_id)
-            ids.append(token_id)
-            done = self.stop_check(token_id)
-            delta = "" if done and done[0] == "stop" else self.detokenizer.add(token_id)  # stop tokens add no text
+        """commit() then render(): one step's sampled tokens, (token id, logprob) pairs, appended up to the
+        first that ends the request, and the step's one event."""
+        n, done = self.commit([t for t, _ in tokens])
+        return self.render(tokens[:n], done)
+
+    def commit(self, token_ids: list[int]) -> tuple[int, tuple | None]:
+        """Appends one step's sampled tokens (a verify's may be several) up to the first that ends the request
+        by a stop token or max_tokens; returns how many it appended and (finish_reason, stop_reason) or
+        None. Stop strings are render()'s."""
+        for i, t in enumerate(token_ids):
+            self.output_ids.append(t)
+            done = self.stop_check(t)
             if done:
+                return i + 1, done
+        return len(token_ids), None
+
+    def render(self, tokens: list, done: tuple | None) -> tuple[RequestOutput, tuple | None]:
+        """The event of the last len(tokens) committed tokens ((token id, logprob) pairs, a logprob (chosen,
+        top ids, top logprobs) or None; done: what commit() returned): each detokenized and checked for stop
+        strings as if alone. A stop string ends the request at the token that completes it (the committed
+        tokens after it are taken back). Returns the event and (finish_reason, stop_reason) if done."""
+        n0 = len(self.output_ids) - len(tokens)
+        ids, text, lps, end = [], [], [], None
+        for i, (token_id, logprob) in enumerate(tokens):
+            ids.append(token_id)
+            end = done if i == len(tokens) - 1 else None
+            delta = "" if end and end[0] == "stop" else self.detokenizer.add(token_id)  # stop tokens add no text
+            if end:
                 delta += self.detokenizer.flush()
-            piece, matched = self.stop_buffer.feed(delta, check=len(self.output_ids) >= self.params.min_tokens)
+            piece, matched = self.stop_buffer.feed(delta, check=n0 + i + 1 >= self.params.min_tokens)
             text.append(piece)
             if logprob is not None:
                 chosen, top_ids, top_lps = logprob
                 lps.append(TokenLogprob(token_id, chosen, dict(zip(top_ids, top_lps))))
             if matched is not None:
-                done = ("stop", matched)
-            elif done:
+                end = ("stop", matched)
+                del self.output_ids[n0 + i + 1:]
+            elif end:
                 text.append(self.stop_buffer.flush())
-            if done:
+            if end:
                 break
         out = RequestOutput(self.request_id, ids, "".join(text), prompt_tokens=len(self.prompt_ids),
                             completion_tokens=len(self.output_ids), logprobs=lps or None)
-        if len(self.output_ids) == len(ids):
+        if n0 == 0:
             out.queue_time = self.scheduled_at - self.arrival
-        return out, done
+        return out, end

@@ -527,6 +527,27 @@ def test_max_tokens_stop_and_eos_inside_an_accepted_run(tiny_dir):
     assert len(a[0]) < 30
 
 
+def test_verified_text_comes_after_the_next_launch(tiny_dir):
+    """In a synchronous (speculative) step the collected tokens are appended before the next step is
+    scheduled and launched, but detokenized (text, stop strings, the event) after that launch: at the
+    launches after verifies the detokenizer has seen fewer tokens than were committed; the text is plain's."""
+    want, _, cp, rp = run(tiny_dir, PROMPTS[:1], SamplingParams(max_tokens=20, **GREEDY))
+    eng, col = make(tiny_dir, speculative_config=SPEC)
+    eng.drafter = Oracle({tuple(PROMPTS[0]): want[0]})
+    rid = eng.submit(PROMPTS[0], SamplingParams(max_tokens=20, **GREEDY), col)
+    eng._drain(False)
+    req = eng._requests[rid]
+    seen, add = [], req.detokenizer.add
+    req.detokenizer.add = lambda t: seen.append(t) or add(t)
+    at_launch, real = [], eng.runner.forward
+    eng.runner.forward = lambda batch, prev, plan=None: at_launch.append((len(req.output_ids), len(seen))) or real(
+        batch, prev, plan)
+    drive(eng, col, [rid])
+    assert col.tokens(rid) == want[0] and col.text(rid) == cp.text(rp[0])
+    behind = [(n, d) for n, d in at_launch if d < n]
+    assert len(behind) >= 3 and all(n - d <= 1 + SPEC["num_speculative_tokens"] for n, d in behind)
+
+
 def test_abort_mid_verify_leaks_nothing(target):
     p, sp = prompt(8, 20), SamplingParams(max_tokens=40, **GREEDY)
     want, _, _, _ = run(target, [p], sp)
