@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .config import SpeculativeConfig
 from .model import Capture
@@ -78,25 +77,52 @@ class Drafter:
 class NgramDrafter(Drafter):
     """vLLM's `ngram` (prompt lookup): find the longest suffix of n tokens (n from prompt_lookup_max
     down to prompt_lookup_min) that occurred earlier in prompt + output, at its most recent earlier
-    occurrence, and propose the up to k tokens that followed it. No match: no drafts."""
+    occurrence, and propose the up to k tokens that followed it. No match: no drafts.
+
+    It runs on the host between a verify's tokens and the next launch, for every speculating request, so
+    it keeps each request's tokens as an array (appending what each step added) and matches from the
+    occurrences of the last token (one vectorized compare) instead of comparing every window."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+        self._tokens: dict[Request, tuple[np.ndarray, int]] = {}  # request -> (its tokens so far, how many)
 
     def propose(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
         return [self._propose(req, k) for req, k in zip(reqs, rooms)]
 
+    def forget(self, req: Request) -> None:
+        self._tokens.pop(req, None)
+
     def _propose(self, req: Request, k: int) -> list[int]:
         if k <= 0:
             return []
-        tokens = np.asarray(req.prompt_ids + req.output_ids, np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. len-n-1: every occurrence but the suffix itself
-            hits = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[-n:]).all(1))
+        t = self._known(req)
+        L = len(t)
+        ends = np.flatnonzero(t[:L - 1] == t[L - 1])  # earlier occurrences of the last token
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            # a window of n ending at e matches the suffix iff its n - 1 tokens before e match too
+            hits = ends[ends >= n - 1]
+            for j in range(1, n):
+                hits = hits[t[hits - j] == t[L - 1 - j]]
             if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
+                start = int(hits[-1]) + 1
+                return t[start:start + k].tolist()
         return []
+
+    def _known(self, req: Request) -> np.ndarray:
+        """prompt + output as an array, extended by the tokens output since the last call."""
+        n = len(req.prompt_ids) + len(req.output_ids)
+        buf, have = self._tokens.get(req, (None, 0))
+        if buf is None or n < have or n > len(buf):
+            buf, have = np.empty(max(n, req.lifetime_tokens), np.int64), 0
+        if have < n:
+            p = len(req.prompt_ids)
+            if have < p:
+                buf[have:p] = req.prompt_ids[have:]
+                have = p
+            buf[have:n] = req.output_ids[have - p:]
+        self._tokens[req] = (buf, n)
+        return buf[:n]
 
 
 def make_drafter(cfg: SpeculativeConfig, model, weights: dict, max_num_seqs: int) -> Drafter:

@@ -76,6 +76,9 @@ def assert_idle(eng, init_memory=None):
     assert (st.running, st.waiting, st.kv_blocks_used, st.state_slots_free) == (0, 0, 0, st.state_slots_total)
     rows = eng.scheduler.spec_rows
     assert rows is None or rows.num_free == rows.capacity
+    d = getattr(eng.drafter, "inner", eng.drafter)
+    for kept in ("_tokens", "_last", "context"):  # what the n-gram, MTP and DFlash drafters keep per request
+        assert not getattr(d, kept, None), kept
     if init_memory is not None:
         assert st.device_memory_used == init_memory
 
@@ -225,6 +228,13 @@ def test_ngram_drafter():
     assert d.propose([req([7, 7, 7])], [4]) == [[7]]                         # the continuation may overlap the suffix
     assert d.propose([req([1, 2, 3])], [4]) == [[]] and d.propose([req([5])], [2]) == [[]]
     assert NgramDrafter(2, 3).propose([req([1, 2, 3, 1])], [4]) == [[]]      # a 1-token match is too short
+    # a request's tokens are kept and extended step by step (the same answers as from scratch), until forget()
+    r = req([1, 2, 3, 1, 2])
+    assert d.propose([r], [2]) == [[3, 1]]
+    r.output_ids += [3, 4, 1, 2, 3]
+    assert d.propose([r], [3]) == [[4, 1, 2]]
+    d.forget(r)
+    assert r not in d._tokens
 
 
 # ---- greedy identity -------------------------------------------------------------------------------
