@@ -476,6 +476,7 @@ class Engine:
         for plan in plans:  # publish what those forwards computed before their tokens can end requests
             self.prefix.commit(plan)
         t1 = time.perf_counter()
+        rejected = []  # verifies that rolled back: (request, drafts accepted)
         for req, res in results:
             req.pending = 0
             if req.status is not Status.RUNNING:  # ended (abort, error) while its token was in flight
@@ -483,9 +484,11 @@ class Engine:
             if isinstance(res, Exception):
                 self._finish(req, "error", error=f"{type(res).__name__}: {res}")
             elif isinstance(res, Verified):
-                self._on_verified(req, res)
+                self._on_verified(req, res, rejected)
             else:
                 self._on_tokens(req, [res])
+        if rejected:
+            self.runner.roll_back(rejected)
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
 
     def _abandon(self, plans) -> None:
@@ -553,10 +556,10 @@ class Engine:
         else:  # (a step rendered after its launch may have ended the request meanwhile: its event still goes)
             self._emit(req, out)
 
-    def _on_verified(self, req: Request, res: Verified) -> None:
+    def _on_verified(self, req: Request, res: Verified, rejected: list) -> None:
         """A verify's tokens, in one event, each applied as plain decoding would (stop tokens, stop strings
-        and max_tokens end the request at the first that finishes it); if a draft was rejected, the state
-        goes back to the last accepted token's."""
+        and max_tokens end the request at the first that finishes it); if a draft was rejected, the request
+        is rewound and goes on `rejected`, whose states the caller rolls back to the last accepted token's."""
         s, accepted = self._stats, len(res.tokens) - 1
         s.spec_decode_num_drafts += 1
         s.spec_decode_num_draft_tokens += res.drafted
@@ -571,7 +574,7 @@ class Engine:
         else:
             self._missed(req)
         if accepted < res.drafted:
-            self.runner.roll_back(req, accepted)
+            rejected.append((req, accepted))
             self.scheduler.rewind(req, res.drafted - accepted)
 
     def _finish(self, req: Request, reason: str, stop_reason=None, out: RequestOutput | None = None,

@@ -10,8 +10,8 @@ forward on the device (Step.feed) before collect() has seen it.
 Speculative decoding: a request scheduled with drafts (scheduler.py) is a verify, `[pending token,
 d_1..d_k]` with logits on all 1 + k rows. Its GDN layers keep the state after each of its tokens but the
 last in its rollback rows (step.py); verify.py turns the rows into the emitted tokens (`Verified`), and
-when it accepted a < k drafts the engine has `roll_back()` copy rollback row a into the slot and rewinds
-the request by the k - a rejected positions.
+when it accepted a < k drafts the engine has `roll_back()` copy rollback row a into the slot (one copy
+for all such verifies of a step) and rewinds the request by the k - a rejected positions.
 """
 from __future__ import annotations
 
@@ -158,10 +158,11 @@ class ModelRunner:
         return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts,
                                record)
 
-    def roll_back(self, req: Request, accepted: int) -> None:
-        """req's verify accepted only `accepted` drafts: its slot gets the state after its last accepted
-        token (in stream order, after the verify, before any later forward)."""
-        self.ops.copy_slots(self.cache, [req.spec_row + accepted], [req.slot])
+    def roll_back(self, verifies: list[tuple[Request, int]]) -> None:
+        """Each (req, accepted): req's verify accepted only `accepted` drafts, and its slot gets the state after
+        its last accepted token (one copy for all, in stream order: after the verifies, before any later
+        forward)."""
+        self.ops.copy_slots(self.cache, [req.spec_row + a for req, a in verifies], [req.slot for req, _ in verifies])
 
     def sample(self, launched: ForwardInFlight) -> SamplingInFlight:
         """Launches the sampling of the step's requests that are still running (one finished while the
