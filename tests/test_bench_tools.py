@@ -223,3 +223,16 @@ def test_host_breakdown_smoke(tiny_dir, capsys, threaded):
     plain, spec = out.split("-- oracle")
     assert "critical path" not in plain and "critical path of" in spec  # plain steps run one ahead
     assert (Engine.step, Engine._must_wait, HostCopy.result) == before  # the methods are put back
+
+
+def test_host_breakdown_with_the_mtp_drafting(tiny_dir, capsys):
+    """--speculative-config with the MTP: its observe and propose are timed beside the oracle's drafts."""
+    import host_breakdown as hb
+    from engine.mtp import MtpDrafter
+    before = (MtpDrafter.observe, MtpDrafter.propose)
+    hb.main([str(tiny_dir), "--device", "cpu", "--input-len", "40", "--output-len", "12", "--requests", "1",
+             "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+    out = capsys.readouterr().out
+    assert "-- oracle p=0.8, K=2, MtpDrafter drafting:" in out
+    assert "MtpDrafter.observe" in out and "MtpDrafter.propose" in out and "critical path of" in out
+    assert (MtpDrafter.observe, MtpDrafter.propose) == before

@@ -1,13 +1,16 @@
 """Host time per call of the engine loop's parts, plain and speculative (oracle drafter), at c1.
 
     python3 tools/host_breakdown.py MODEL_DIR [--k 3] [--p 0.8] [--requests 2] [--output-len 256] [--threaded]
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}']
 
 Steps an Engine(start=False) by hand (no event loop thread), or with --threaded lets the engine's own loop
 thread run it for an asyncio client (as bench_spec.py and a server do), and wraps the engine's, runner's,
 DecodeGraphs' and backend's methods with perf_counter accumulators; prints per method its calls, time per
 call and per step. Calls nest (a parent's time includes its children's); ModelRunner.collect includes the
 wait for the device. First a plain run, whose tokens the oracle (tools/spec_oracles.py) then proposes
-from, right with probability p per position.
+from, right with probability p per position. With --speculative-config naming a drafter with weights
+(MTP, DFlash) that drafter observes and proposes as usual, its methods timed too, and the oracle's drafts
+are verified instead (spec_oracles.OracleOverDrafter): its cost at a controlled acceptance.
 
 The critical path: in a synchronous step (one that waits for the step before it: a speculative one) the
 device idles from the moment the previous step's tokens reach the host (the first HostCopy.result after
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import collections
 import functools
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +37,7 @@ from engine import SamplingParams  # noqa: E402
 from engine import arrays as A, runner as R, step as S, verify as V  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from tools.bench_engine import run_level  # noqa: E402
-from tools.spec_oracles import RecordedOracle  # noqa: E402
+from tools.spec_oracles import OracleOverDrafter, RecordedOracle  # noqa: E402
 
 ACC: dict = collections.defaultdict(lambda: [0, 0.0])
 CRITICAL: list = []  # per synchronous step: seconds from its input tokens on the host to its forward launched
@@ -55,8 +59,8 @@ def wrap(owner, name: str, label: str, undo: list) -> None:
     setattr(owner, name, timed)
 
 
-def instrument(gpu: bool) -> list:
-    """Wraps the methods; returns what restore() puts back."""
+def instrument(gpu: bool, drafter=None) -> list:
+    """Wraps the methods (and a drafter's observe and propose); returns what restore() puts back."""
     undo: list = []
     owners = [(Engine, ["step", "_flush", "_collect", "_propose", "_launch", "_launch_sampling", "_send_deferred",
                         "_on_verified", "_on_tokens", "_schedule_and_launch", "_must_wait"]),
@@ -65,6 +69,8 @@ def instrument(gpu: bool) -> list:
         from engine.gpu import backend as BK, decode_graph as DG
         owners += [(DG.DecodeGraphs, ["run", "_check", "_stage", "kind"]),
                    (BK.CudaBackend, ["prepare", "copy_slots", "argmax_finite"])]
+    if drafter is not None:
+        owners.append((type(drafter), ["observe", "propose"]))
     for cls, names in owners:
         for n in names:
             wrap(cls, n, f"{cls.__name__}.{n}", undo)
@@ -149,10 +155,16 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threaded", action="store_true", help="the engine's loop thread steps it, for an asyncio client")
+    ap.add_argument("--speculative-config", metavar="JSON",
+                    help="the engine's; a drafter with weights runs beside the oracle (default: n-gram, K = --k)")
     a = ap.parse_args(argv)
+    spec = json.loads(a.speculative_config) if a.speculative_config else {"method": "ngram",
+                                                                          "num_speculative_tokens": a.k}
+    a.k = spec["num_speculative_tokens"]
     eng = Engine(a.model_dir, start=a.threaded, device=a.device, max_model_len=a.input_len + a.output_len + 64,
-                 max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
-    undo = instrument(eng.runner.model.ops.name == "cuda")
+                 max_num_seqs=4, speculative_config=spec)
+    a.inner = eng.drafter if eng.drafter.capture is not None else None
+    undo = instrument(eng.runner.model.ops.name == "cuda", a.inner)
     try:
         measure(eng, a)
     finally:
@@ -173,8 +185,11 @@ def measure(eng, a) -> None:
     wall, toks = drive(eng, prompts[1:], params, a.threaded)
     table("plain", sum(map(len, toks)), wall)
     eng.drafter = RecordedOracle({tuple(p): t for p, t in zip(prompts[1:], toks)}, a.p, eng.cfg.vocab_size, seed=1)
+    if a.inner is not None:
+        eng.drafter = OracleOverDrafter(a.inner, eng.drafter)
     wall, toks = drive(eng, prompts[1:], params, a.threaded)
-    table(f"oracle p={a.p:g}, K={a.k}", sum(map(len, toks)), wall)
+    table(f"oracle p={a.p:g}, K={a.k}" + (f", {type(a.inner).__name__} drafting" if a.inner else ""),
+          sum(map(len, toks)), wall)
 
 
 if __name__ == "__main__":
