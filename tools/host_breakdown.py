@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingParams  # noqa: E402
 from engine import arrays as A, runner as R, step as S, verify as V  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.scheduler import Scheduler  # noqa: E402
 from tools.bench_engine import run_level  # noqa: E402
 from tools.spec_oracles import OracleOverDrafter, RecordedOracle  # noqa: E402
 
@@ -64,7 +65,7 @@ def instrument(gpu: bool, drafter=None) -> list:
     undo: list = []
     owners = [(Engine, ["step", "_flush", "_collect", "_propose", "_launch", "_launch_sampling", "_send_deferred",
                         "_on_verified", "_on_tokens", "_schedule_and_launch", "_must_wait"]),
-              (R.ModelRunner, ["forward", "sample", "collect", "roll_back"])]
+              (R.ModelRunner, ["forward", "sample", "collect", "roll_back"]), (Scheduler, ["schedule"])]
     if gpu:
         from engine.gpu import backend as BK, decode_graph as DG
         owners += [(DG.DecodeGraphs, ["run", "_check", "_stage", "kind"]),
