@@ -139,12 +139,6 @@ class Request:
             return "length", None
         return None
 
-    def add_tokens(self, tokens: list) -> tuple[RequestOutput, tuple | None]:
-        """commit() then render(): one step's sampled tokens, (token id, logprob) pairs, appended up to the
-        first that ends the request, and the step's one event."""
-        n, done = self.commit([t for t, _ in tokens])
-        return self.render(tokens[:n], done)
-
     def commit(self, token_ids: list[int]) -> tuple[int, tuple | None]:
         """Appends one step's sampled tokens (a verify's may be several) up to the first that ends the request
         by a stop token or max_tokens; returns how many it appended and (finish_reason, stop_reason) or
