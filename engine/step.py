@@ -56,17 +56,20 @@ class Step:
         wide."""
         return [T, T, B + 1, B, B, T, T, n_logits, B, B, B, B * width]
 
-    def token_blocks(self, block_size: int) -> np.ndarray:
-        """Per token the KV page its position falls in."""
-        seq = np.repeat(np.arange(self.num_seqs), np.diff(self.cu_seqlens))
-        return self.block_tables[seq, self.positions // block_size]
+    def token_seqs(self) -> np.ndarray:
+        """Per token the index of its sequence."""
+        return np.repeat(np.arange(self.num_seqs, dtype=np.int32), np.diff(self.cu_seqlens))
+
+    def token_blocks(self, block_size: int, seq: np.ndarray | None = None) -> np.ndarray:
+        """Per token the KV page its position falls in (seq: token_seqs(), when the caller has it)."""
+        return self.block_tables[self.token_seqs() if seq is None else seq, self.positions // block_size]
 
     def packed(self, block_size: int) -> np.ndarray:
         """FIELDS as one int32 array: the step's own, and per token its sequence (`seq`) and its flat KV row
         (`slot_mapping`: block * block_size + offset); save_at / save_rows 0 and spec_rows -1 when unset."""
         B = self.num_seqs
-        seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(self.cu_seqlens))
-        slot_mapping = self.token_blocks(block_size).astype(np.int64) * block_size + self.positions % block_size
+        seq = self.token_seqs()
+        slot_mapping = self.token_blocks(block_size, seq).astype(np.int64) * block_size + self.positions % block_size
         assert slot_mapping.max(initial=0) < 2 ** 31
         unset = np.zeros(B, np.int32)
         parts = [self.tokens, self.positions, self.cu_seqlens, self.slots, self.seq_lens, slot_mapping, seq,

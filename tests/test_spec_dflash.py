@@ -223,23 +223,23 @@ def test_loader_rejects_mis_shaped_weights(tiny_dir, tmp_path):
 
 # ---- in the engine --------------------------------------------------------------------------------
 from engine import SamplingParams  # noqa: E402
-from engine.drafter import Drafter  # noqa: E402
+from tools.spec_oracles import OracleOverDrafter  # noqa: E402
 from test_engine import drive, make, prompt  # noqa: E402
 from test_spec_decode import GPU_NOISE, GREEDY, Oracle, _record, assert_idle, outside_reservation  # noqa: E402
 
 
-class Checked(Drafter):
+class Checked(OracleOverDrafter):
     """The engine's DFlash drafter, checked: after every observe() its context covers exactly what the
     target committed for each request it saw (L); proposals come from it, or (forced) from an Oracle of
     the plain run while it still drafts (and so checks its context) every step. Requests not in
     `drafting` get no drafts (they decode plainly beside the speculating ones)."""
 
     def __init__(self, inner, forced=None, drafting=None):
-        self.inner, self.forced, self.drafting, self.capture = inner, forced, drafting, inner.capture
-        self.checked = 0
+        super().__init__(inner, forced)
+        self.drafting, self.checked = drafting, 0
 
     def observe(self, record):
-        self.inner.observe(record)
+        super().observe(record)
         for req, _, _, _ in record.committed():
             assert self.inner.context[req] == req.num_computed
             self.checked += 1
@@ -247,12 +247,7 @@ class Checked(Drafter):
     def propose(self, reqs, rooms):
         rooms = [k if self.drafting is None or tuple(r.prompt_ids) in self.drafting else 0
                  for r, k in zip(reqs, rooms)]
-        drafts = self.inner.propose(reqs, rooms)
-        return drafts if self.forced is None else [d[:0] + self.forced.propose([r], [k])[0]
-                                                   for r, k, d in zip(reqs, rooms, drafts)]
-
-    def forget(self, req):
-        self.inner.forget(req)
+        return self.inner.propose(reqs, rooms) if self.oracle is None else super().propose(reqs, rooms)
 
 
 def _dflash_run(target, drafter_dir, prompts, sp, forced=None, drafting=None, k=15, **kw):

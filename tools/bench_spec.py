@@ -380,10 +380,13 @@ def measure(a) -> dict:
                 for p in (float(x) for x in a.oracle_p.split(",")):
                     e2e(eng, oracle_label(p), k, lambda c, p=p: RecordedOracle(recorded, p, vocab, seed=c))
         run_engine(a.model_dir, work, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
+
     def drafter(eng, spec, k):
         e2e(eng, spec, k)
         inner, vocab = eng.drafter, eng.cfg.vocab_size
-        for p in (float(x) for x in a.drafter_oracle_p.split(",") if x) if inner.capture is not None else ():
+        if inner.capture is None:  # no weights (n-gram): nothing but its proposals to measure
+            return
+        for p in (float(x) for x in a.drafter_oracle_p.split(",") if x):
             e2e(eng, f"{spec}, {oracle_label(p)} drafts", k,
                 lambda c, p=p: OracleOverDrafter(inner, RecordedOracle(recorded, p, vocab, seed=c)))
 

@@ -164,10 +164,10 @@ def main(argv=None) -> None:
     a.k = spec["num_speculative_tokens"]
     eng = Engine(a.model_dir, start=a.threaded, device=a.device, max_model_len=a.input_len + a.output_len + 64,
                  max_num_seqs=4, speculative_config=spec)
-    a.inner = eng.drafter if eng.drafter.capture is not None else None
-    undo = instrument(eng.runner.model.ops.name == "cuda", a.inner)
+    inner = eng.drafter if eng.drafter.capture is not None else None  # a drafter with weights
+    undo = instrument(eng.runner.model.ops.name == "cuda", inner)
     try:
-        measure(eng, a)
+        measure(eng, a, inner)
     finally:
         restore(undo)
         ACC.clear()
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
         eng.shutdown()
 
 
-def measure(eng, a) -> None:
+def measure(eng, a, inner) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 200000, a.input_len).tolist() for _ in range(a.requests + 1)]
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
@@ -186,10 +186,10 @@ def measure(eng, a) -> None:
     wall, toks = drive(eng, prompts[1:], params, a.threaded)
     table("plain", sum(map(len, toks)), wall)
     eng.drafter = RecordedOracle({tuple(p): t for p, t in zip(prompts[1:], toks)}, a.p, eng.cfg.vocab_size, seed=1)
-    if a.inner is not None:
-        eng.drafter = OracleOverDrafter(a.inner, eng.drafter)
+    if inner is not None:
+        eng.drafter = OracleOverDrafter(inner, eng.drafter)
     wall, toks = drive(eng, prompts[1:], params, a.threaded)
-    table(f"oracle p={a.p:g}, K={a.k}" + (f", {type(a.inner).__name__} drafting" if a.inner else ""),
+    table(f"oracle p={a.p:g}, K={a.k}" + (f", {type(inner).__name__} drafting" if inner else ""),
           sum(map(len, toks)), wall)
 
 
