@@ -28,31 +28,6 @@
 #define PF_ROWS 64  // query rows (token, head pairs) per CTA: 4 warps x 16 (in each key group)
 #define PF_KEYS 64  // keys per block
 
-__device__ __forceinline__ void pf_ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void pf_ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-// d += a * b, m16n8k16, bf16 inputs, f32 accumulators
-__device__ __forceinline__ void pf_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                       unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// two floats -> bf16x2 (round to nearest even), lo in the low half
-__device__ __forceinline__ unsigned pf_pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // Issue the cp.async copies of key block kb (64 keys x HD) of one cache (K or V) into dst; gtid: the
 // thread's index in its 128-thread group.
 template <int HD>
@@ -177,13 +152,13 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
         for (int ks = 0; ks < KS; ++ks) {
             const unsigned hi = ((2 * ks) & ~7) << 4;
             unsigned a0, a1, a2, a3;
-            pf_ldsm_x4(q_row + hi + oq[ks & 3], a0, a1, a2, a3);
+            ldsm_x4(q_row + hi + oq[ks & 3], a0, a1, a2, a3);
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 unsigned b0, b1, b2, b3;
-                pf_ldsm_x4(k_row + np * 16 * RB + hi + ok[ks & 3], b0, b1, b2, b3);
-                pf_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
-                pf_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                ldsm_x4(k_row + np * 16 * RB + hi + ok[ks & 3], b0, b1, b2, b3);
+                mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
+                mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
 
@@ -225,10 +200,10 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
         unsigned pa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pf_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pf_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pf_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pf_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            pa[kk][0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
 
         cp_async_wait<0>();
@@ -244,9 +219,9 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
 #pragma unroll
             for (int dp = 0; dp < HD / 16; ++dp) {
                 unsigned b0, b1, b2, b3;
-                pf_ldsm_x4_t(v_row + kk * 16 * RB + (((2 * dp) & ~7) << 4) + oq[dp & 3], b0, b1, b2, b3);
-                pf_mma(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
-                pf_mma(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b2, b3);
+                ldsm_x4_t(v_row + kk * 16 * RB + (((2 * dp) & ~7) << 4) + oq[dp & 3], b0, b1, b2, b3);
+                mma_bf16(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+                mma_bf16(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b2, b3);
             }
         }
     }

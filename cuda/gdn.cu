@@ -137,12 +137,19 @@ template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16
 //   gam = cumsum(g) in the chunk, D_ij = exp(gam_i - gam_j) (j <= i, <= 1 so never overflows)
 //   A = tril(beta_i k_i.k_j D_ij, -1);  [W | U] = (I + A)^-1 [beta k e^gam | beta v]
 //   P = tril(q_i.k_j D_ij);  Qs = q e^gam;  Ks = k e^(gam_last - gam)   (q, k L2-normed, q * dk^-0.5)
-// written in f32 as W, Qs, Ks [T, nv, DK], U [T, nv, dv], P [T, nv, 64], aux [T, nv, 4] (gam in .x).
+// written as W, Qs, Ks [T, nv, DK] and P [T, nv, 64] in bf16x3 pairs (below: a row of X values is X bf16
+// hi then X bf16 lo, x = hi + lo to ~2^-16), U [T, nv, dv] and aux [T, nv, 4] (gam in .x) in f32.
 // gdn_chunk_state then runs per (32-column state tile, head, sequence), chunk after chunk:
 //   v_new = U - W S;  o = Qs S + P v_new;  S = e^gam_last S + Ks^T v_new
 // on tensor cores (below). Rows past a sequence's end are zeros (g = 0, beta = 0), which leaves outputs
 // and state unchanged.
 #define GDN_C 64
+
+// (x0, x1) -> bf16x2 hi and bf16x2 lo = the rounded remainders
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(x0 - lo_bf(hi), x1 - hi_bf(hi));
+}
 
 // Shared memory: normed q and k rows and A. A/P are a 64x64 product over DK in 4x4 register tiles on
 // CUDA cores (a 3xTF32 tensor-core form, as in gdn_chunk_state, was slower: docs/benchmarks/NOTES.md).
@@ -152,8 +159,8 @@ template <int DK>
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     const bf16_t* __restrict__ qkv, long long sq, const bf16_t* __restrict__ a, long long sa,
     const bf16_t* __restrict__ b, long long sb, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-    const int* __restrict__ cu, float* __restrict__ W, float* __restrict__ U, float* __restrict__ P,
-    float* __restrict__ Qs, float* __restrict__ Ks, float* __restrict__ aux, int nk, int nv, int dv)
+    const int* __restrict__ cu, bf16_t* __restrict__ W, float* __restrict__ U, bf16_t* __restrict__ P,
+    bf16_t* __restrict__ Qs, bf16_t* __restrict__ Ks, float* __restrict__ aux, int nk, int nv, int dv)
 {
     pdl_enter();
     extern __shared__ __align__(16) float smem[];
@@ -240,18 +247,26 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
                 sA[i * AS + j] = j < i ? s_beta[i] * kk[u][v] * D : 0.0f;
                 pr[v] = qk[u][v] * D;
             }
-            if (i < L)
-                *reinterpret_cast<float4*>(P + ((long long)(t0 + i) * nv + h) * GDN_C + tj * 4) =
-                    make_float4(pr[0], pr[1], pr[2], pr[3]);
+            if (i < L) {
+                bf16_t* dst = P + ((long long)(t0 + i) * nv + h) * 2 * GDN_C + tj * 4;
+                uint2 hi, lo;
+                split_bf16x2(pr[0], pr[1], hi.x, lo.x);
+                split_bf16x2(pr[2], pr[3], hi.y, lo.y);
+                *reinterpret_cast<uint2*>(dst) = hi;
+                *reinterpret_cast<uint2*>(dst + GDN_C) = lo;
+            }
         }
     }
     // Qs, Ks out
     const float g_last = s_gam[L - 1];
-    for (int idx = tid; idx < L * DK; idx += 256) {
-        const int i = idx / DK, c = idx - i * DK;
-        const long long o = ((long long)(t0 + i) * nv + h) * DK + c;
-        Qs[o] = sq_[i * KS + c] * expf(s_gam[i]);
-        Ks[o] = sk[i * KS + c] * expf(g_last - s_gam[i]);
+    for (int idx = tid; idx < L * DK / 2; idx += 256) {
+        const int i = idx / (DK / 2), c = 2 * (idx - i * (DK / 2));
+        const long long o = ((long long)(t0 + i) * nv + h) * 2 * DK + c;
+        const float eq = expf(s_gam[i]), ek = expf(g_last - s_gam[i]);
+        unsigned* q2 = reinterpret_cast<unsigned*>(Qs + o);
+        unsigned* k2 = reinterpret_cast<unsigned*>(Ks + o);
+        split_bf16x2(sq_[i * KS + c] * eq, sq_[i * KS + c + 1] * eq, q2[0], q2[DK / 2]);
+        split_bf16x2(sk[i * KS + c] * ek, sk[i * KS + c + 1] * ek, k2[0], k2[DK / 2]);
     }
     __syncthreads();                            // sA complete
     // (I + A) X = R by forward substitution, one column of X = [W | U] per thread, held in registers:
@@ -274,76 +289,85 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
             for (int j = i & ~3; j < i; ++j) s[j & 3] += sA[i * AS + j] * x[j];
             x[i] -= (s[0] + s[1]) + (s[2] + s[3]);
         }
-        float* dst = c < DK ? W + (long long)h * DK + c : U + (long long)h * dv + c - DK;
-        const long long ld = (long long)nv * (c < DK ? DK : dv);
+        if (c < DK) {                           // W: bf16 hi, lo
+            bf16_t* dst = W + (long long)h * 2 * DK + c;
+            const long long ld = (long long)nv * 2 * DK;
 #pragma unroll
-        for (int i = 0; i < GDN_C; ++i)
-            if (i < L) dst[(t0 + i) * ld] = x[i];
+            for (int i = 0; i < GDN_C; ++i)
+                if (i < L) {
+                    const bf16_t hi = f2bf(x[i]);
+                    dst[(t0 + i) * ld] = hi;
+                    dst[(t0 + i) * ld + DK] = f2bf(x[i] - bf2f(hi));
+                }
+        } else {
+            float* dst = U + (long long)h * dv + c - DK;
+            const long long ld = (long long)nv * dv;
+#pragma unroll
+            for (int i = 0; i < GDN_C; ++i)
+                if (i < L) dst[(t0 + i) * ld] = x[i];
+        }
     }
     if (tid < L) aux[((long long)(t0 + tid) * nv + h) * 4] = s_gam[tid];
 }
 
-// ---- gdn_chunk_state: the four products on tensor cores (mma.sync m16n8k8 tf32) ------------------
-// HF runs this math in f32, so every product is 3xTF32: x = hi + lo (both tf32, lo the rounded
-// remainder) and a*b ~ ah*bh + ah*bl + al*bh, ~2^-22 relative error per product (f32-like) at 3
-// tensor-core ops instead of 1.
-__device__ __forceinline__ unsigned tf32_of(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
-    hi = tf32_of(x);
-    lo = tf32_of(x - __uint_as_float(hi));
-}
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// ---- gdn_chunk_state: the four products on tensor cores (mma.sync m16n8k16 bf16x3) -----------------
+// HF runs this math in f32, so every product is bf16x3: x = hi + lo (both bf16, lo the rounded remainder,
+// x to ~2^-16 relative) and a*b ~ ah*bh + (ah*bl + al*bh), three bf16 mma per k16 with f32 accumulation.
+// Prep writes its operands already split (a row of X values is X hi then X lo bf16: the bytes of f32); the
+// kernel splits S and v_new as it stores them to shared memory for the next product.
 
-// A fragment (16 x 8, lane (g, t) = (lane / 4, lane % 4): rows g, g + 8, columns t, t + 4) of the f32
-// matrix M[r][c] = base[r * ld + c] (or base[c * ld + r] with TR), split into tf32 hi/lo.
-template <bool TR>
-__device__ __forceinline__ void frag_a(const float* base, int ld, int r0, int c0, unsigned (&hi)[4], unsigned (&lo)[4]) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+// acc (16 rows x 16 columns: two n8 C fragments) += A (16 x K) . B (K x 16), both bf16x3 in shared memory.
+// a, b: this lane's ldmatrix addresses of the hi halves at k = 0, stepped by a_step / b_step bytes per k16;
+// the lo halves are a_lo / b_lo bytes further. B is stored k-major ([k][n] rows: .trans); A row-major
+// ([m][k] rows) or, with A_T, k-major ([k][m] rows: .trans). The small terms go to `cor`, their own
+// dependency chain, which the caller adds to acc.
+template <bool A_T, int K>
+__device__ __forceinline__ void mma3(float (&acc)[2][4], float (&cor)[2][4], unsigned a, int a_step, int a_lo,
+                                     unsigned b, int b_step, int b_lo) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + g + (i & 1) * 8, c = c0 + t + (i >> 1) * 4;
-        split_tf32(TR ? base[c * ld + r] : base[r * ld + c], hi[i], lo[i]);
-    }
-}
-
-// acc[n] (16 rows x 8 columns c0 + n * 8..) += A (16 x K, frag_a) . B (K x 8 NN, pre-split hi/lo rows of
-// ldb words)
-template <bool TR, int K, int NN>
-__device__ __forceinline__ void mma3_rows(float (&acc)[NN][4], const float* a, int lda, int r0,
-                                          const unsigned* bh, const unsigned* bl, int ldb, int c0) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-#pragma unroll 2
-    for (int k = 0; k < K; k += 8) {
-        unsigned ah[4], al[4];
-        frag_a<TR>(a, lda, r0, k, ah, al);
+    for (int k = 0; k < K; k += 16, a += a_step, b += b_step) {
+        unsigned ah[4], al[4], bh[4], bl[4];
+        if (A_T) {
+            ldsm_x4_t(a, ah[0], ah[1], ah[2], ah[3]);
+            ldsm_x4_t(a + a_lo, al[0], al[1], al[2], al[3]);
+        } else {
+            ldsm_x4(a, ah[0], ah[1], ah[2], ah[3]);
+            ldsm_x4(a + a_lo, al[0], al[1], al[2], al[3]);
+        }
+        ldsm_x4_t(b, bh[0], bh[1], bh[2], bh[3]);
+        ldsm_x4_t(b + b_lo, bl[0], bl[1], bl[2], bl[3]);
 #pragma unroll
-        for (int n = 0; n < NN; ++n) {
-            const int o0 = (k + t) * ldb + c0 + n * 8 + g, o1 = o0 + 4 * ldb;
-            mma_tf32(acc[n], al, bh[o0], bh[o1]);
-            mma_tf32(acc[n], ah, bl[o0], bl[o1]);
-            mma_tf32(acc[n], ah, bh[o0], bh[o1]);
+        for (int n = 0; n < 2; ++n) {
+            mma_bf16(acc[n], ah[0], ah[1], ah[2], ah[3], bh[2 * n], bh[2 * n + 1]);
+            mma_bf16(cor[n], ah[0], ah[1], ah[2], ah[3], bl[2 * n], bl[2 * n + 1]);
+            mma_bf16(cor[n], al[0], al[1], al[2], al[3], bh[2 * n], bh[2 * n + 1]);
         }
     }
 }
 
-// Rows [0, 64) x `n4` float4s of a [T, nv, width] tensor's chunk (head h, from column col0) into smem
-// rows of `ld` floats.
-__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int t0, int L, int nv, int h,
-                                             int width, int col0, int n4) {
-    for (int idx = threadIdx.x; idx < GDN_C * n4; idx += blockDim.x) {
-        const int i = idx / n4, c = (idx - i * n4) * 4;
+// C fragments v (rows r0 + g (+8), columns c0 + 8n + 2t (+1)) split into bf16 hi (columns [0, 32)) and lo
+// (columns [32, 64)) of shared rows of GDN_RS bytes at `base`
+#define GDN_RS 144  // (2 x 32 + 8) bf16: 16 mod 128 bytes, so ldmatrix and these stores are conflict-free
+__device__ __forceinline__ void store_split(char* base, int r0, int c0, const float (&v)[2][4]) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            unsigned* p = reinterpret_cast<unsigned*>(base + (r0 + g + 8 * j) * GDN_RS + (c0 + 8 * n + 2 * t) * 2);
+            split_bf16x2(v[n][2 * j], v[n][2 * j + 1], p[0], p[16]);
+        }
+}
+
+// cp.async rows [0, 64) of a chunk of a [T, nv, row_bytes] tensor (head h; n16 16-byte pieces from byte
+// col0 of each row) into shared rows of `ld` bytes at dst; rows past L are zero-filled.
+__device__ __forceinline__ void load_rows(unsigned dst, int ld, const void* src, int t0, int L, int nv, int h,
+                                          int row_bytes, int col0, int n16) {
+    const char* s = static_cast<const char*>(src);
+    for (int idx = threadIdx.x; idx < GDN_C * n16; idx += blockDim.x) {
+        const int i = idx / n16, c = (idx - i * n16) * 16;
         const bool ok = i < L;
-        cp_async16(smem_addr(dst + i * ld + c), ok ? src + ((long long)(t0 + i) * nv + h) * width + col0 + c : src,
-                   ok ? 16 : 0);
+        cp_async16(dst + i * ld + c, ok ? s + ((long long)(t0 + i) * nv + h) * row_bytes + col0 + c : s, ok ? 16 : 0);
     }
     cp_async_commit();
 }
@@ -351,31 +375,29 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, 
 // Grid (dv/32, nv, B), 512 threads: 16 warps, as two sets of 8 that split the tile's 32 columns (one
 // block per SM for the shared memory below, so the warps are what hides the mma and load latency). The
 // block's state tile S [DK][32] lives in registers as mma accumulators (warp w owns rows 16 (w % 8)..
-// +15 of its columns, if w % 8 < DK/16), with a hi/lo split copy in shared memory for the products that
+// +15 of its 16 columns, if w % 8 < DK/16), with a split copy in shared memory for the products that
 // read it. Per chunk, with q = w % 8: warps q < 4 compute W S (rows 16q..), q >= 4 Qs S; the first
 // turn theirs into v_new = U - W S (split into shared memory); then the second add P v_new to o and
-// store it, while the owners update S = e^gam_last S + Ks^T v_new. Padded row strides keep fragment
-// reads conflict-free (W/Qs/P rows read as A: ld % 32 = 4; Ks read transposed: ld % 32 = 8; S/v_new: 8).
+// store it, while the owners update S = e^gam_last S + Ks^T v_new. Loads run under the products: Ks and
+// P (cp.async) under W S / Qs S, the next chunk's W and Qs under the second half, U straight to registers.
+// Shared rows are hi | lo | 8 bf16 of padding (16 mod 128 bytes: ldmatrix phases are conflict-free).
 #define GDN_STATE_WARPS 16
 template <int DK>
 __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
-    const float* __restrict__ W, const float* __restrict__ U, const float* __restrict__ P,
-    const float* __restrict__ Qs, const float* __restrict__ Ks, const float* __restrict__ aux, float* state,
+    const bf16_t* __restrict__ W, const float* __restrict__ U, const bf16_t* __restrict__ P,
+    const bf16_t* __restrict__ Qs, const bf16_t* __restrict__ Ks, const float* __restrict__ aux, float* state,
     const int* __restrict__ cu, const int* __restrict__ slots, const int* __restrict__ save_at,
     const int* __restrict__ save_rows, bf16_t* __restrict__ out, int nv, int dv)
 {
     pdl_enter();
-    constexpr int LW = DK + 4, LK = DK + 8, LP = GDN_C + 4, LN = 40;
-    extern __shared__ __align__(16) float smem[];
-    unsigned* sSh = reinterpret_cast<unsigned*>(smem);   // [DK][LN] S, hi
-    unsigned* sSl = sSh + DK * LN;                       //          lo
-    float* sW = reinterpret_cast<float*>(sSl + DK * LN); // [64][LW]
-    float* sQ = sW + GDN_C * LW;                         // [64][LW]
-    float* sK = sQ + GDN_C * LW;                         // [64][LK]
-    float* sP = sK + GDN_C * LK;                         // [64][LP]
-    float* sU = sP + GDN_C * LP;                         // [64][LN]
-    unsigned* sVh = reinterpret_cast<unsigned*>(sU + GDN_C * LN);  // [64][LN] v_new, hi
-    unsigned* sVl = sVh + GDN_C * LN;                              //                lo
+    constexpr int RW = (2 * DK + 8) * 2, RP = (2 * GDN_C + 8) * 2, RS = GDN_RS;  // row bytes
+    extern __shared__ __align__(16) char smem_c[];
+    char* sS = smem_c;                          // [DK][RS]   S
+    char* sW = sS + DK * RS;                    // [64][RW]   W
+    char* sQ = sW + GDN_C * RW;                 // [64][RW]   Qs
+    char* sK = sQ + GDN_C * RW;                 // [64][RW]   Ks
+    char* sP = sK + GDN_C * RW;                 // [64][RP]   P
+    char* sV = sP + GDN_C * RP;                 // [64][RS]   v_new
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int col0 = blockIdx.x * 32, h = blockIdx.y, seq = blockIdx.z;
@@ -383,83 +405,104 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     float* S_g = state + ((long long)slots[seq] * nv + h) * DK * dv + col0;
     const int save_end = t_beg + save_at[seq];  // prefix caching: S after this chunk also goes to a snapshot row
     float* S_save = state + ((long long)save_rows[seq] * nv + h) * DK * dv + col0;
-    constexpr int NN = 32 / 8 / (GDN_STATE_WARPS / 8);  // 8-column mma tiles per warp
-    const int q = warp & 7, c0 = (warp >> 3) * NN * 8;  // row role, first column
+    const int q = warp & 7, c0 = (warp >> 3) * 16;  // row role, first column
     const bool owner = q < DK / 16;
     const int r0 = (q & 3) * 16;                // this warp's rows of W S / Qs S / P v_new
-    float S[NN][4];                             // owned S tile: rows 16q + g (+8), columns c0 + 8n + 2t (+1)
+    float S[2][4];                              // owned S tile: rows 16q + g (+8), columns c0 + 8n + 2t (+1)
+
+    // this lane's ldmatrix addresses: A row-major (rows r0.., k 0), A k-major (Ks^T rows 16q.., k 0),
+    // B k-major (k 0, columns c0..)
+    const int a_row = lane & 15, a_col = (lane >> 4) * 8;
+    const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = ((lane >> 3) & 1) * 8;
+    const int b_row = (lane & 7) + ((lane >> 3) & 1) * 8, b_col = c0 + (lane >> 4) * 8;
+    const unsigned aWQ = smem_addr((q < 4 ? sW : sQ) + (r0 + a_row) * RW + a_col * 2);
+    const unsigned aP = smem_addr(sP + (r0 + a_row) * RP + a_col * 2);
+    const unsigned aK = smem_addr(sK + at_row * RW + (q * 16 + at_col) * 2);
+    const unsigned bS = smem_addr(sS + b_row * RS + b_col * 2);
+    const unsigned bV = smem_addr(sV + b_row * RS + b_col * 2);
 
     if (owner) {
 #pragma unroll
-        for (int n = 0; n < NN; ++n)
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = q * 16 + g + (i >> 1) * 8, c = c0 + n * 8 + 2 * t + (i & 1);
-                S[n][i] = S_g[(long long)r * dv + c];
-                split_tf32(S[n][i], sSh[r * LN + c], sSl[r * LN + c]);
-            }
+            for (int i = 0; i < 4; ++i)
+                S[n][i] = S_g[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)];
+        store_split(sS, q * 16, c0, S);
     }
     if (t_beg < t_end) {
         const int L = min(GDN_C, t_end - t_beg);
-        load_rows(sW, LW, W, t_beg, L, nv, h, DK, 0, DK / 4);
-        load_rows(sQ, LW, Qs, t_beg, L, nv, h, DK, 0, DK / 4);
+        load_rows(smem_addr(sW), RW, W, t_beg, L, nv, h, 4 * DK, 0, DK / 4);
+        load_rows(smem_addr(sQ), RW, Qs, t_beg, L, nv, h, 4 * DK, 0, DK / 4);
     }
 
     for (int t0 = t_beg; t0 < t_end; t0 += GDN_C) {
         const int L = min(GDN_C, t_end - t0);
-        __syncthreads();                        // last chunk's readers of sK, sP, sU, sV are done
-        load_rows(sK, LK, Ks, t0, L, nv, h, DK, 0, DK / 4);
-        load_rows(sP, LP, P, t0, L, nv, h, GDN_C, 0, GDN_C / 4);
-        load_rows(sU, LN, U, t0, L, nv, h, dv, col0, 8);
+        cp_async_wait<0>();                     // this chunk's W and Qs
+        __syncthreads();                        // ... everyone's; last chunk's readers of sK, sP, sV are done
+        load_rows(smem_addr(sK), RW, Ks, t0, L, nv, h, 4 * DK, 0, DK / 4);
+        load_rows(smem_addr(sP), RP, P, t0, L, nv, h, 4 * GDN_C, 0, GDN_C / 4);
         const float decay = expf(aux[((long long)(t0 + L - 1) * nv + h) * 4]);
-        cp_async_wait<0>();
-        __syncthreads();
-
-        float acc[NN][4] = {};                  // q < 4: W S; q >= 4: Qs S, then + P v_new = o
-        mma3_rows<false, DK, NN>(acc, q < 4 ? sW : sQ, LW, r0, sSh, sSl, LN, c0);
+        float u[2][4] = {};                     // q < 4: this lane's U (zero past the end)
         if (q < 4) {
 #pragma unroll
-            for (int n = 0; n < NN; ++n)
+            for (int j = 0; j < 2; ++j) {
+                const int r = r0 + g + 8 * j;
+                if (r < L) {
+                    const float* src = U + ((long long)(t0 + r) * nv + h) * dv + col0 + c0 + 2 * t;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int o = (r0 + g + (i >> 1) * 8) * LN + c0 + n * 8 + 2 * t + (i & 1);
-                    split_tf32(sU[o] - acc[n][i], sVh[o], sVl[o]);  // zero rows past the end stay zero
+                    for (int n = 0; n < 2; ++n) {
+                        const float2 v = *reinterpret_cast<const float2*>(src + 8 * n);
+                        u[n][2 * j] = v.x;
+                        u[n][2 * j + 1] = v.y;
+                    }
                 }
+            }
         }
-        __syncthreads();                        // v_new ready; sW, sQ and S's split copy are free
+
+        float acc[2][4] = {}, cor[2][4] = {};   // q < 4: W S; q >= 4: Qs S, then + P v_new = o
+        mma3<false, DK>(acc, cor, aWQ, 32, 2 * DK, bS, 16 * RS, 64);
+        if (q < 4) {
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) u[n][i] -= acc[n][i] + cor[n][i];  // zero rows stay zero
+            store_split(sV, r0, c0, u);
+        }
+        cp_async_wait<0>();                     // Ks, P
+        __syncthreads();                        // v_new, Ks, P ready; sW, sQ and sS are free
         if (t0 + GDN_C < t_end) {
             const int Ln = min(GDN_C, t_end - t0 - GDN_C);
-            load_rows(sW, LW, W, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
-            load_rows(sQ, LW, Qs, t0 + GDN_C, Ln, nv, h, DK, 0, DK / 4);
+            load_rows(smem_addr(sW), RW, W, t0 + GDN_C, Ln, nv, h, 4 * DK, 0, DK / 4);
+            load_rows(smem_addr(sQ), RW, Qs, t0 + GDN_C, Ln, nv, h, 4 * DK, 0, DK / 4);
         }
         if (q >= 4) {
-            mma3_rows<false, GDN_C, NN>(acc, sP, LP, r0, sVh, sVl, LN, c0);
+            mma3<false, GDN_C>(acc, cor, aP, 32, 2 * GDN_C, bV, 16 * RS, 64);
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = r0 + g + i * 8;
+            for (int j = 0; j < 2; ++j) {
+                const int r = r0 + g + j * 8;
                 if (r < L) {
                     unsigned* o = reinterpret_cast<unsigned*>(out + (long long)(t0 + r) * nv * dv + h * dv + col0 + c0 + 2 * t);
 #pragma unroll
-                    for (int n = 0; n < NN; ++n) o[n * 4] = pack2(acc[n][2 * i], acc[n][2 * i + 1]);
+                    for (int n = 0; n < 2; ++n)
+                        o[n * 4] = pack2(acc[n][2 * j] + cor[n][2 * j], acc[n][2 * j + 1] + cor[n][2 * j + 1]);
                 }
             }
         }
         if (owner) {
+            float c2[2][4] = {};
 #pragma unroll
-            for (int n = 0; n < NN; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) S[n][i] *= decay;
-            mma3_rows<true, GDN_C, NN>(S, sK, LK, q * 16, sVh, sVl, LN, c0);
+            mma3<true, GDN_C>(S, c2, aK, 16 * RW, 2 * DK, bV, 16 * RS, 64);
 #pragma unroll
-            for (int n = 0; n < NN; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int o = (q * 16 + g + (i >> 1) * 8) * LN + c0 + n * 8 + 2 * t + (i & 1);
-                    split_tf32(S[n][i], sSh[o], sSl[o]);
-                }
+                for (int i = 0; i < 4; ++i) S[n][i] += c2[n][i];
+            store_split(sS, q * 16, c0, S);
             if (save_at[seq] && t0 + L == save_end) {
 #pragma unroll
-                for (int n = 0; n < NN; ++n)
+                for (int n = 0; n < 2; ++n)
 #pragma unroll
                     for (int i = 0; i < 4; ++i)
                         S_save[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)] = S[n][i];
@@ -468,7 +511,7 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
     }
     if (owner) {
 #pragma unroll
-        for (int n = 0; n < NN; ++n)
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 S_g[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)] = S[n][i];
@@ -481,9 +524,9 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
 #define GDN_CHUNK_INST(DK)                                                                                   \
     template __global__ void gdn_chunk_prep<DK>(const bf16_t*, long long, const bf16_t*, long long,             \
                                                 const bf16_t*, long long, const float*, const float*, const int*, \
-                                                float*, float*, float*, float*, float*, float*, int, int, int);  \
-    template __global__ void gdn_chunk_state<DK>(const float*, const float*, const float*, const float*,      \
-                                                 const float*, const float*, float*, const int*, const int*,   \
+                                                bf16_t*, float*, bf16_t*, bf16_t*, bf16_t*, float*, int, int, int); \
+    template __global__ void gdn_chunk_state<DK>(const bf16_t*, const float*, const bf16_t*, const bf16_t*,   \
+                                                 const bf16_t*, const float*, float*, const int*, const int*,  \
                                                  const int*, const int*, bf16_t*, int, int);
 GDN_CHUNK_INST(32)
 GDN_CHUNK_INST(64)

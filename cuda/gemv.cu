@@ -68,19 +68,10 @@ __device__ __forceinline__ uint4 gemv_ld_x(const bf16_t* p) {
     return r;
 }
 
-// d += A[16 x 16] * B[16 x 8], bf16 in, f32 accumulate (row-major A fragment, column-major B).
-__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // One 32-k step: W rows g (lo) and g + 8 (hi) of a 16-row group, x row g; words 0,1 then 2,3.
 __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo, const uint4& hi, const uint4& xb) {
-    mma_16816(d, lo.x, hi.x, lo.y, hi.y, xb.x, xb.y);
-    mma_16816(d, lo.z, hi.z, lo.w, hi.w, xb.z, xb.w);
+    mma_bf16(d, lo.x, hi.x, lo.y, hi.y, xb.x, xb.y);
+    mma_bf16(d, lo.z, hi.z, lo.w, hi.w, xb.z, xb.w);
 }
 
 // MT: 8-row x tiles (M <= 8 * MT); R: 16-row W groups per warp; U: 32-k steps per load batch;

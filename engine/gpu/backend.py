@@ -167,7 +167,7 @@ class CudaBackend:
         for one step's activations and logits."""
         free, total = cupy.cuda.runtime.memGetInfo()
         per_token = 4 * (4 * cfg.intermediate_size + 2 * cfg.conv_dim + 8 * cfg.hidden_size)
-        # + the chunked GDN prefill's f32 workspace (W, Qs, Ks, U, P, aux per token and value head)
+        # + the chunked GDN prefill's workspace (W, Qs, Ks, P as bf16 hi/lo pairs, U, aux f32: 4 bytes an element)
         per_token += 4 * cfg.lin_num_v_heads * (3 * cfg.lin_k_dim + cfg.lin_v_dim + GDN_C + 4)
         logits = 8 * max_num_seqs * cfg.vocab_size
         return int(free - (1 - utilization) * total - max_num_batched_tokens * per_token - logits)
@@ -383,16 +383,17 @@ class CudaBackend:
         cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
         save_at, save_rows = meta.save_at[nd:], meta.save_rows[nd:]
         C = GDN_C
-        W, Qs, Ks = (self._empty((T, nv, dk), cupy.float32) for _ in range(3))
+        W, Qs, Ks = (self._empty((T, nv, 2 * dk)) for _ in range(3))  # bf16 hi | lo pairs (gdn.cu)
         U = self._empty((T, nv, dv), cupy.float32)
-        P = self._empty((T, nv, C), cupy.float32)
+        P = self._empty((T, nv, 2 * C))
         aux = self._empty((T, nv, 4), cupy.float32)
         n_chunks = -(-meta.max_new // C)
         smem = 4 * (2 * C * (dk + 1) + C * (C + 4) + 2 * C)  # the padded rows of gdn.cu
         self._fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
-        smem = 4 * (2 * dk * 40 + 2 * C * (dk + 4) + C * (dk + 8) + C * (C + 4) + 3 * C * 40)  # padded rows, gdn.cu
+        rs = (2 * 32 + 8) * 2  # padded bf16 hi | lo rows of gdn.cu: S and v_new, W / Qs / Ks, P
+        smem = dk * rs + 3 * C * (2 * dk + 8) * 2 + C * (2 * C + 8) * 2 + C * rs
         self._fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS,),
             (W, U, P, Qs, Ks, aux, state, cu, slots, save_at, save_rows, out, i32(nv), i32(dv)), shared_mem=smem)
         return out
