@@ -151,10 +151,11 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, u
     lo = pack_bf16x2(x0 - lo_bf(hi), x1 - hi_bf(hi));
 }
 
-// Shared memory: normed q and k rows and A. A/P are a 64x64 product over DK in 4x4 register tiles on
-// CUDA cores (a 3xTF32 tensor-core form, as in gdn_chunk_state, was slower: docs/benchmarks/NOTES.md).
-// The triangular solve gives each thread one column of X = [W | U] in registers, so it
-// needs no barriers and reads A as float4 broadcasts.
+// Shared memory: the chunk's raw q and k rows (bf16, by cp.async; zero past the end) and A. K K^T and
+// Q K^T run on tensor cores (mma.sync m16n8k16) over the raw rows: bf16 products are exact in the f32
+// accumulators, and the L2 norms, 1/sqrt(dk), beta and decays are diagonal scalings applied afterwards.
+// The triangular solve gives each thread one column of X = [W | U] in registers, so it needs no
+// barriers and reads A as float4 broadcasts. The q/k rows need 16-byte alignment (the launcher checks).
 template <int DK>
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     const bf16_t* __restrict__ qkv, long long sq, const bf16_t* __restrict__ a, long long sa,
@@ -163,131 +164,154 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     bf16_t* __restrict__ Qs, bf16_t* __restrict__ Ks, float* __restrict__ aux, int nk, int nv, int dv)
 {
     pdl_enter();
-    extern __shared__ __align__(16) float smem[];
-    constexpr int KS = DK + 1;                  // padded row: column reads across rows are conflict-free
+    extern __shared__ __align__(16) char smem_c[];
+    constexpr int RQ = (DK + 8) * 2;            // raw row bytes, padded: ldmatrix phases are conflict-free
     constexpr int AS = GDN_C + 4;               // A row: float4 reads
-    float* sq_ = smem;                          // [64][KS] normed, scaled q
-    float* sk = sq_ + GDN_C * KS;               // [64][KS] normed k
-    float* sA = sk + GDN_C * KS;                // [64][AS]
-    float* s_gam = sA + GDN_C * AS;             // [64]
+    char* sQr = smem_c;                         // [64][RQ] raw q
+    char* sKr = sQr + GDN_C * RQ;               // [64][RQ] raw k
+    float* sA = reinterpret_cast<float*>(sKr + GDN_C * RQ);  // [64][AS]
+    float* s_gam = sA + GDN_C * AS;             // [64] gate cumsum
     float* s_beta = s_gam + GDN_C;              // [64]
+    float* s_rq = s_beta + GDN_C;               // [64] q's 1 / (|q| sqrt(dk))
+    float* s_rk = s_rq + GDN_C;                 // [64] k's 1 / |k|
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, seq = blockIdx.z;
     const int hk = h / (nv / nk);
     const int t0 = cu[seq] + blockIdx.x * GDN_C, t_end = cu[seq + 1];
     if (t0 >= t_end) return;
     const int L = min(GDN_C, t_end - t0);
-    const float qscale = rsqrtf((float)DK);
 
-    for (int r = warp; r < GDN_C; r += 8) {     // one warp per row: load, L2-norm
-        float qv[DK / 32], kv[DK / 32], ssq = 0.0f, skk = 0.0f;
-        const bf16_t* row = qkv + (long long)(t0 + r) * sq;
-#pragma unroll
-        for (int i = 0; i < DK / 32; ++i) {
-            qv[i] = r < L ? bf2f(row[hk * DK + i * 32 + lane]) : 0.0f;
-            kv[i] = r < L ? bf2f(row[nk * DK + hk * DK + i * 32 + lane]) : 0.0f;
-            ssq += qv[i] * qv[i];
-            skk += kv[i] * kv[i];
-        }
-        const float rq = rsqrtf(warp_sum(ssq) + 1e-6f) * qscale, rk = rsqrtf(warp_sum(skk) + 1e-6f);
-#pragma unroll
-        for (int i = 0; i < DK / 32; ++i) {
-            sq_[r * KS + i * 32 + lane] = qv[i] * rq;
-            sk[r * KS + i * 32 + lane] = kv[i] * rk;
-        }
+    for (int idx = tid; idx < GDN_C * DK / 8; idx += 256) {
+        const int i = idx / (DK / 8), c = (idx - i * (DK / 8)) * 8;
+        const bool ok = i < L;
+        const bf16_t* row = qkv + (long long)(t0 + i) * sq + hk * DK + c;
+        cp_async16(smem_addr(sQr + i * RQ + c * 2), ok ? row : qkv, ok ? 16 : 0);
+        cp_async16(smem_addr(sKr + i * RQ + c * 2), ok ? row + nk * DK : qkv, ok ? 16 : 0);
     }
+    cp_async_commit();
     if (tid < GDN_C) {
-        float g = 0.0f, beta = 0.0f;
+        float g_ = 0.0f, beta = 0.0f;
         if (tid < L) {
-            const long long t = t0 + tid;
-            g = -expf(A_log[h]) * softplus_f(bf2f(a[t * sa + h]) + dt_bias[h]);
-            beta = sigmoid_f(bf2f(b[t * sb + h]));
+            const long long tt = t0 + tid;
+            g_ = -expf(A_log[h]) * softplus_f(bf2f(a[tt * sa + h]) + dt_bias[h]);
+            beta = sigmoid_f(bf2f(b[tt * sb + h]));
         }
-        s_gam[tid] = g;
+        s_gam[tid] = g_;
         s_beta[tid] = beta;
     }
+    cp_async_wait<0>();
     __syncthreads();
-    if (tid == 0) {                             // 64-term prefix sum: serial is cheapest here
-        float acc = 0.0f;
-        for (int i = 0; i < GDN_C; ++i) { acc += s_gam[i]; s_gam[i] = acc; }
+    if (warp == 0) {                            // inclusive prefix sum of the 64 gates, two per lane
+        const float g0 = s_gam[2 * lane], g1 = s_gam[2 * lane + 1];
+        float sum = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, sum, o);
+            if (lane >= o) sum += y;
+        }
+        s_gam[2 * lane] = sum - g1;
+        s_gam[2 * lane + 1] = sum;
+    }
+    for (int r = warp; r < GDN_C; r += 8) {     // one warp per row: the L2 norms
+        float ssq = 0.0f, skk = 0.0f;
+        for (int c = 2 * lane; c < DK; c += 64) {
+            const unsigned q2 = *reinterpret_cast<const unsigned*>(sQr + r * RQ + c * 2);
+            const unsigned k2 = *reinterpret_cast<const unsigned*>(sKr + r * RQ + c * 2);
+            ssq += lo_bf(q2) * lo_bf(q2) + hi_bf(q2) * hi_bf(q2);
+            skk += lo_bf(k2) * lo_bf(k2) + hi_bf(k2) * hi_bf(k2);
+        }
+        ssq = warp_sum(ssq);
+        skk = warp_sum(skk);
+        if (lane == 0) {
+            s_rq[r] = rsqrtf(ssq + 1e-6f) * rsqrtf((float)DK);
+            s_rk[r] = rsqrtf(skk + 1e-6f);
+        }
     }
     __syncthreads();
 
-    {   // A and P, rows 4*ti.., columns 4*tj..; tiles wholly above the diagonal are zero
-        const int ti = tid >> 4, tj = tid & 15;
+    {   // K K^T and Q K^T: warp w takes rows 16 (w % 4).. and columns 32 (w / 4).. (4 n8 tiles)
+        const int mb = (warp & 3) * 16, nb = (warp >> 2) * 32;
         float kk[4][4] = {}, qk[4][4] = {};
-        if (tj <= ti) {
-#pragma unroll 4
-            for (int d = 0; d < DK; ++d) {
-                float ki[4], qi[4], kj[4];
+        if (nb <= mb + 15) {                    // else wholly above the diagonal: zeros
+            const unsigned aK = smem_addr(sKr + (mb + (lane & 15)) * RQ + (lane >> 4) * 16);
+            const unsigned aQ = smem_addr(sQr + (mb + (lane & 15)) * RQ + (lane >> 4) * 16);
+            // B = K^T from k rows (n-major, as stored): x4 = rows 0-7 k-lo, k-hi, rows 8-15 k-lo, k-hi
+            const unsigned bK = smem_addr(sKr + (nb + (lane & 7) + (lane >> 4) * 8) * RQ + ((lane >> 3) & 1) * 16);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    ki[u] = sk[(ti * 4 + u) * KS + d];
-                    qi[u] = sq_[(ti * 4 + u) * KS + d];
-                    kj[u] = sk[(tj * 4 + u) * KS + d];
-                }
+            for (int k = 0; k < DK; k += 16) {
+                unsigned ka[4], qa[4];
+                ldsm_x4(aK + k * 2, ka[0], ka[1], ka[2], ka[3]);
+                ldsm_x4(aQ + k * 2, qa[0], qa[1], qa[2], qa[3]);
 #pragma unroll
-                for (int u = 0; u < 4; ++u)
+                for (int p = 0; p < 2; ++p) {
+                    unsigned bb[4];
+                    ldsm_x4(bK + p * 16 * RQ + k * 2, bb[0], bb[1], bb[2], bb[3]);
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) {
-                        kk[u][v] += ki[u] * kj[v];
-                        qk[u][v] += qi[u] * kj[v];
+                    for (int e = 0; e < 2; ++e) {
+                        mma_bf16(kk[2 * p + e], ka[0], ka[1], ka[2], ka[3], bb[2 * e], bb[2 * e + 1]);
+                        mma_bf16(qk[2 * p + e], qa[0], qa[1], qa[2], qa[3], bb[2 * e], bb[2 * e + 1]);
                     }
+                }
             }
         }
+        // A = tril(beta_i k_i.k_j D_ij, -1) to shared memory; P = tril(q_i.k_j D_ij) out (normed rows)
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = ti * 4 + u;
-            float pr[4];
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = mb + g + 8 * hh;
+            const float gi = s_gam[i], bi = s_beta[i] * s_rk[i], qi = s_rq[i];
 #pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int j = tj * 4 + v;
-                const float D = j <= i ? expf(s_gam[i] - s_gam[j]) : 0.0f;
-                sA[i * AS + j] = j < i ? s_beta[i] * kk[u][v] * D : 0.0f;
-                pr[v] = qk[u][v] * D;
-            }
-            if (i < L) {
-                bf16_t* dst = P + ((long long)(t0 + i) * nv + h) * 2 * GDN_C + tj * 4;
-                uint2 hi, lo;
-                split_bf16x2(pr[0], pr[1], hi.x, lo.x);
-                split_bf16x2(pr[2], pr[3], hi.y, lo.y);
-                *reinterpret_cast<uint2*>(dst) = hi;
-                *reinterpret_cast<uint2*>(dst + GDN_C) = lo;
+            for (int n = 0; n < 4; ++n) {
+                float pr[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = nb + 8 * n + 2 * t + e;
+                    const float D = j <= i ? expf(gi - s_gam[j]) * s_rk[j] : 0.0f;
+                    sA[i * AS + j] = j < i ? bi * kk[n][2 * hh + e] * D : 0.0f;
+                    pr[e] = qi * qk[n][2 * hh + e] * D;
+                }
+                if (i < L) {
+                    unsigned* dst = reinterpret_cast<unsigned*>(P + ((long long)(t0 + i) * nv + h) * 2 * GDN_C + nb + 8 * n + 2 * t);
+                    split_bf16x2(pr[0], pr[1], dst[0], dst[GDN_C / 2]);
+                }
             }
         }
     }
-    // Qs, Ks out
+    // Qs = q e^gam, Ks = k e^(gam_last - gam) (normed rows) out
     const float g_last = s_gam[L - 1];
     for (int idx = tid; idx < L * DK / 2; idx += 256) {
         const int i = idx / (DK / 2), c = 2 * (idx - i * (DK / 2));
         const long long o = ((long long)(t0 + i) * nv + h) * 2 * DK + c;
-        const float eq = expf(s_gam[i]), ek = expf(g_last - s_gam[i]);
-        unsigned* q2 = reinterpret_cast<unsigned*>(Qs + o);
-        unsigned* k2 = reinterpret_cast<unsigned*>(Ks + o);
-        split_bf16x2(sq_[i * KS + c] * eq, sq_[i * KS + c + 1] * eq, q2[0], q2[DK / 2]);
-        split_bf16x2(sk[i * KS + c] * ek, sk[i * KS + c + 1] * ek, k2[0], k2[DK / 2]);
+        const float eq = s_rq[i] * expf(s_gam[i]), ek = s_rk[i] * expf(g_last - s_gam[i]);
+        const unsigned q2 = *reinterpret_cast<const unsigned*>(sQr + i * RQ + c * 2);
+        const unsigned k2 = *reinterpret_cast<const unsigned*>(sKr + i * RQ + c * 2);
+        unsigned* qd = reinterpret_cast<unsigned*>(Qs + o);
+        unsigned* kd = reinterpret_cast<unsigned*>(Ks + o);
+        split_bf16x2(lo_bf(q2) * eq, hi_bf(q2) * eq, qd[0], qd[DK / 2]);
+        split_bf16x2(lo_bf(k2) * ek, hi_bf(k2) * ek, kd[0], kd[DK / 2]);
     }
     __syncthreads();                            // sA complete
     // (I + A) X = R by forward substitution, one column of X = [W | U] per thread, held in registers:
-    // R = [beta e^gam k | beta v]; rows past the end are zero and stay zero.
+    // R = [beta e^gam k | beta v] (k normed); rows past the end are zero and stay zero.
     for (int c = tid; c < DK + dv; c += 256) {
         float x[GDN_C];
 #pragma unroll
-        for (int i = 0; i < GDN_C; ++i)
-            x[i] = c < DK ? s_beta[i] * expf(s_gam[i]) * sk[i * KS + c]
+        for (int i = 0; i < GDN_C; ++i) {
+            const bf16_t* kr = reinterpret_cast<const bf16_t*>(sKr + i * RQ);
+            x[i] = c < DK ? s_beta[i] * expf(s_gam[i]) * s_rk[i] * bf2f(kr[c])
                           : (i < L ? s_beta[i] * bf2f(qkv[(long long)(t0 + i) * sq + 2 * nk * DK + h * dv + c - DK]) : 0.0f);
+        }
 #pragma unroll
         for (int i = 1; i < GDN_C; ++i) {
-            float s[4] = {};                    // four chains: the row's dependent-FMA latency / 4
+            float s4[4] = {};                   // four chains: the row's dependent-FMA latency / 4
 #pragma unroll
             for (int j = 0; j + 4 <= i; j += 4) {
                 const float4 a4 = *reinterpret_cast<const float4*>(sA + i * AS + j);
-                s[0] += a4.x * x[j]; s[1] += a4.y * x[j + 1]; s[2] += a4.z * x[j + 2]; s[3] += a4.w * x[j + 3];
+                s4[0] += a4.x * x[j]; s4[1] += a4.y * x[j + 1]; s4[2] += a4.z * x[j + 2]; s4[3] += a4.w * x[j + 3];
             }
 #pragma unroll
-            for (int j = i & ~3; j < i; ++j) s[j & 3] += sA[i * AS + j] * x[j];
-            x[i] -= (s[0] + s[1]) + (s[2] + s[3]);
+            for (int j = i & ~3; j < i; ++j) s4[j & 3] += sA[i * AS + j] * x[j];
+            x[i] -= (s4[0] + s4[1]) + (s4[2] + s4[3]);
         }
         if (c < DK) {                           // W: bf16 hi, lo
             bf16_t* dst = W + (long long)h * 2 * DK + c;
