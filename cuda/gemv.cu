@@ -1,6 +1,9 @@
 // Small-M bf16 GEMM ("GEMV" shape) for decode: y[M, N] = x[M, K] @ W[N, K]^T, M <= 16.
 // W row-major [N, K] bf16 bits (contiguous); x [M, K] bf16 bits with row stride sx (elements);
-// f32 accumulation; y [M, N] contiguous, bf16 (F32 = 0) or f32 (F32 = 1, the lm_head logits).
+// f32 accumulation; y [M, N] contiguous, bf16 (OUT = 0) or f32 (OUT = 1, the lm_head logits); OUT = 2 is
+// the MLP's SwiGLU: W is gate|up with rows interleaved in blocks of 8 (16b + e: gate row 8b + e, e < 8;
+// up row 8b + e - 8 otherwise; CudaBackend.weight_gate_up) and y [M, N / 2] = silu(gate) * up, each GEMM
+// output rounded to bf16 first: bit-identical to OUT = 0 followed by silu_mul_kernel.
 //
 // Why tensor cores and not FFMA. At M rows the FFMA form needs M FMAs plus a bf16 unpack per weight
 // element; streaming W at 4.3 TB/s is ~8.3 weight elements per SM clock, so M = 16 would need
@@ -75,9 +78,9 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo, const u
 }
 
 // MT: 8-row x tiles (M <= 8 * MT); R: 16-row W groups per warp; U: 32-k steps per load batch;
-// PF: L2 256-byte prefetch hint on W loads; F32: 1 -> f32 output, 0 -> bf16.
+// PF: L2 256-byte prefetch hint on W loads; OUT: 0 bf16, 1 f32, 2 SwiGLU (bf16, N / 2 columns).
 // Dynamic shared memory: NW * 16R * 8MT floats.
-template <int MT, int R, int U, int PF, int F32>
+template <int MT, int R, int U, int PF, int OUT>
 __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     const bf16_t* __restrict__ x, long long sx,   // [M, K], row stride sx
     const bf16_t* __restrict__ w,                 // [N, K] contiguous
@@ -192,6 +195,22 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             p[ROWS + 8] = acc[r][t][3];
         }
     __syncthreads();
+    if (OUT == 2) {  // block rows 16b + e (gate) and 16b + 8 + e (up) -> feature n0 / 2 + 8b + e
+        const int valid = (M < COLS ? M : COLS) * (ROWS / 2);
+        for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+            const int f = i % (ROWS / 2), col = i / (ROWS / 2);
+            const int row = 16 * (f >> 3) + (f & 7);
+            if (n0 + row >= N) continue;
+            float vg = red[col * ROWS + row], vu = red[col * ROWS + row + 8];
+            for (int j = 1; j < nw; ++j) {
+                vg += red[(j * COLS + col) * ROWS + row];
+                vu += red[(j * COLS + col) * ROWS + row + 8];
+            }
+            const float gb = bf2f(f2bf(vg)), ub = bf2f(f2bf(vu));
+            static_cast<bf16_t*>(y)[(long long)col * (N / 2) + n0 / 2 + f] = f2bf(silu_f(gb) * ub);
+        }
+        return;
+    }
     const int valid = (M < COLS ? M : COLS) * ROWS;
     for (int i = threadIdx.x; i < valid; i += blockDim.x) {
         const int row = i % ROWS, col = i / ROWS;
@@ -200,7 +219,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         float v = red[col * ROWS + row];
         for (int j = 1; j < nw; ++j) v += red[(j * COLS + col) * ROWS + row];
         const long long o = (long long)col * N + n;
-        if (F32) static_cast<float*>(y)[o] = v;
+        if (OUT == 1) static_cast<float*>(y)[o] = v;
         else static_cast<bf16_t*>(y)[o] = f2bf(v);
     }
 }
@@ -338,6 +357,10 @@ template __global__ void gemm_inv<1>(const bf16_t*, long long, const bf16_t*, vo
 #define GEMV_INST(MT, R, U, PF)                                                                              \
     template __global__ void gemv_bf16<MT, R, U, PF, 0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int); \
     template __global__ void gemv_bf16<MT, R, U, PF, 1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
+#define GEMV_INST_SWIGLU(MT, R, U, PF)                                                                       \
+    template __global__ void gemv_bf16<MT, R, U, PF, 2>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
 GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 2, 0) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)
-GEMV_INST(4, 1, 2, 0) GEMV_INST(8, 1, 1, 0)  // batch-invariant decode buckets of 17..64 rows
+GEMV_INST_SWIGLU(1, 1, 4, 1) GEMV_INST_SWIGLU(2, 1, 2, 0) GEMV_INST_SWIGLU(1, 1, 2, 0) GEMV_INST_SWIGLU(1, 2, 2, 0)
+GEMV_INST_SWIGLU(2, 2, 2, 0)
+GEMV_INST(4, 1, 2, 0) GEMV_INST(8, 1, 1, 0)  // batch-invariant decode buckets of 17..64 rows (no SwiGLU form)
 #endif

@@ -216,9 +216,13 @@ class NumpyBackend:
     def gather_rows(self, x, rows):
         return x[rows]
 
-    def silu_mul(self, gate_up):
-        f = gate_up.shape[1] // 2
-        return silu(gate_up[:, :f]) * gate_up[:, f:]
+    def weight_gate_up(self, gate, up):
+        return self.weight([gate, up])
+
+    def swiglu(self, x, gate_up):
+        h = self.linear(x, gate_up)
+        f = h.shape[1] // 2
+        return silu(h[:, :f]) * h[:, f:]
 
     def conv1d(self, x, w, state, meta: Meta):
         """Causal depthwise conv (kernel K) + SiLU per sequence, continuing from and updating the

@@ -181,7 +181,7 @@ class DFlashDrafter(Drafter):
                 "qkv": up([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
                 "q_norm": up(_plain(w("self_attn.q_norm.weight"))), "k_norm": up(_plain(w("self_attn.k_norm.weight"))),
                 "o_proj": up(w("self_attn.o_proj.weight")),
-                "gate_up": up([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+                "gate_up": self.ops.weight_gate_up(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")),
                 "down": up(w("mlp.down_proj.weight"))})
         self.cache, self.num_blocks, self.scratch_pages = None, 0, 0  # alloc()
         self.context: dict[Request, int] = {}
@@ -268,7 +268,7 @@ class DFlashDrafter(Drafter):
                               window=cfg.sliding_window if L["sliding"] else 0)
             x = ops.linear(o, L["o_proj"])
             h, residual = ops.add_rms_norm(x, residual, L["ln2"], eps)
-            x = ops.linear(ops.silu_mul(ops.linear(h, L["gate_up"])), L["down"])
+            x = ops.linear(ops.swiglu(h, L["gate_up"]), L["down"])
         rooms = rooms if rooms is not None else [B - 1] * len(reqs)
         rows = np.array([i * B + j for i, k in enumerate(rooms) for j in range(1, k + 1)], np.int32)
         z, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)

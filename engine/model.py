@@ -23,11 +23,12 @@ class Capture:
                                 # order: [T, len(taps) * H]
 
 
-def layer_weights(up, w, kind: str) -> dict:
-    """One decoder layer's weights, uploaded by `up` (Backend.weight), w(name) reading its tensors: the
+def layer_weights(ops, w, kind: str) -> dict:
+    """One decoder layer's weights, uploaded by the backend `ops`, w(name) reading its tensors: the
     target's layers and the MTP head's (mtp.py) both load through this."""
+    up = ops.weight  # a list of arrays: their concatenation (rows), fused where they are uploaded
     layer = {"kind": kind, "ln1": up(w("input_layernorm.weight")), "ln2": up(w("post_attention_layernorm.weight")),
-             "gate_up": up([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+             "gate_up": ops.weight_gate_up(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")),
              "down": up(w("mlp.down_proj.weight"))}
     if kind == LINEAR:
         p = "linear_attn."
@@ -51,7 +52,7 @@ class Qwen35Model:
         self.embed = up(weights["embed_tokens.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else up(weights["lm_head.weight"])
         self.norm = up(weights["norm.weight"])
-        self.layers = [layer_weights(up, lambda name, i=i: weights[f"layers.{i}.{name}"], kind)
+        self.layers = [layer_weights(backend, lambda name, i=i: weights[f"layers.{i}.{name}"], kind)
                        for i, kind in enumerate(cfg.layer_types)]
 
     def weight_bytes(self) -> int:
@@ -107,7 +108,7 @@ class Qwen35Model:
         adds it). The MTP layer (mtp.py) runs through this and attention() too."""
         ops = self.ops
         h, residual = ops.add_rms_norm(x, residual, L["ln2"], self.cfg.rms_norm_eps)
-        return ops.linear(ops.silu_mul(ops.linear(h, L["gate_up"])), L["down"]), residual
+        return ops.linear(ops.swiglu(h, L["gate_up"]), L["down"]), residual
 
     def _gdn(self, L, h, meta, conv_state, rec_state):
         cfg, ops = self.cfg, self.ops

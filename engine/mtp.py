@@ -51,7 +51,7 @@ class MtpDrafter(Drafter):
         self.norm_embed = up(norm(weights["mtp.pre_fc_norm_embedding.weight"]))
         self.norm_hidden = up(norm(weights["mtp.pre_fc_norm_hidden.weight"]))
         self.norm = up(norm(weights["mtp.norm.weight"]))
-        self.layer = layer_weights(up, lambda name: weights[f"mtp.layers.0.{name}"], FULL)
+        self.layer = layer_weights(model.ops, lambda name: weights[f"mtp.layers.0.{name}"], FULL)
         self.capture = Capture(post_norm=True) if post_norm else Capture(taps=(cfg.num_layers - 1,))
         self._key = "post_norm" if post_norm else "taps"
         self._last: dict[Request, tuple] = {}  # request -> (g rows, its row, position): at its last committed row

@@ -91,8 +91,13 @@ class Backend(Protocol):
     def linear(self, x, w) -> Any:
         """x [M, K] (a column view allowed) @ w [N, K]^T -> [M, N] (f32 for the lm_head)."""
 
-    def silu_mul(self, gate_up) -> Any:
-        """[T, 2F] (gate | up) -> silu(gate) * up [T, F]."""
+    def weight_gate_up(self, gate, up) -> Any:
+        """An MLP's gate and up matrices ([F, H] checkpoint arrays) -> the backend's fused weight for
+        swiglu (its row order is the backend's own)."""
+
+    def swiglu(self, x, gate_up) -> Any:
+        """silu(x gate^T) * (x up^T) [T, F] for x [T, H] and a weight from weight_gate_up: the two GEMMs'
+        outputs rounded as the activations' dtype, then the product rounded."""
 
     def conv1d(self, x, w, state, meta) -> Any:
         """Causal depthwise conv + SiLU per sequence, continuing from and updating the slots' state.

@@ -88,11 +88,16 @@ def test_linear(be, ref, M, N, K):
     assert rel(be.to_host(be.linear(x.dev, w.dev)), ref.linear(x.np, w.np)) <= BF16_TOL
 
 
-@pytest.mark.parametrize("T,F", [(1, 256), (9, 256), (64, 9216), (3, 17408)])
-def test_silu_mul(be, ref, T, F):
+@pytest.mark.parametrize("T,F,H", [(1, 256, 128), (9, 256, 64), (16, 9216, 2560), (37, 9216, 2560), (3, 17408, 5120)])
+def test_swiglu(be, ref, T, F, H):
+    """The MLP's gate|up GEMM and activation: the GEMV with the activation in its epilogue (T <= 16) and
+    the GEMM + silu_mul (above) against NumPy, and the fused GEMV bit-equal to the GEMV + silu_mul."""
     rng = np.random.default_rng(T + F)
-    gu = rnd(rng, T, 2 * F, scale=2.0)
-    assert rel(be.to_host(be.silu_mul(gu.dev)), ref.silu_mul(gu.np)) <= BF16_TOL
+    x, g, u = rnd(rng, T, H), rnd(rng, F, H, scale=2 * H ** -0.5), rnd(rng, F, H, scale=2 * H ** -0.5)
+    w = be.weight_gate_up(g.bits, u.bits)
+    got = be.to_host(be.swiglu(x.dev, w))
+    assert rel(got, ref.swiglu(x.np, ref.weight_gate_up(g.bits, u.bits))) <= BF16_TOL
+    np.testing.assert_array_equal(be.swiglu(x.dev, w).get(), be._silu_mul(be.linear(x.dev, w)).get())
 
 
 def _proj(rng, T, C, extra):

@@ -127,6 +127,15 @@ class CudaBackend:
             return cupy.asarray(arr)
         return cupy.asarray(arr, dtype=cupy.float32)
 
+    def weight_gate_up(self, gate, up) -> cupy.ndarray:
+        """gate|up with rows interleaved in blocks of 8 (rows 16b.. +7 are gate rows 8b.., the next 8 the up
+        rows 8b..): the GEMV's epilogue then holds both halves of a feature (cuda/gemv.cu, OUT = 2)."""
+        w = self.weight([gate, up])
+        F, H = w.shape[0] // 2, w.shape[1]
+        if F % 8:
+            raise ValueError(f"MLP width {F} is not a multiple of 8")
+        return cupy.ascontiguousarray(w.reshape(2, F // 8, 8, H).transpose(1, 0, 2, 3)).reshape(2 * F, H)
+
     def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
         nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
         conv = [cupy.zeros((num_slots, cfg.conv_kernel - 1, cfg.conv_dim), cupy.uint16) for _ in range(nlin)]
@@ -308,23 +317,49 @@ class CudaBackend:
         M, K = x.shape
         N = w.shape[0]
         small = 1 <= M <= (GEMV_MAX_M_INVARIANT if self.batch_invariant else GEMV_MAX_M)
-        if ((small or (self.batch_invariant and M)) and x.dtype == cupy.uint16 and w.dtype == cupy.uint16
-                and w.shape[1] == K and K % 8 == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0):
-            if x.strides[1] != 2 or x.data.ptr % 16 or (M > 1 and x.strides[0] % 16):
-                x = x.copy()  # 16-byte x loads (a fresh, aligned copy; the engine's inputs never need one)
-            out = self._empty((M, N), cupy.float32 if f32_out else cupy.uint16)
-            sx = i64(x.strides[0] // 2) if M > 1 else i64(K)
-            if small:
-                name, blocks, nw, smem = gemv_plan(M, N, K, f32_out)
-                self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)),
-                                                shared_mem=smem)
-            else:
-                self._fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
-                                                            (x, sx, w, out, i32(M), i32(N), i32(K), i32(gemv_nw(N, K))))
-            return out
-        return gemm(x, w, f32_out=f32_out)
+        gx = self._gemv_input(x, w) if small or (self.batch_invariant and M) else None
+        if gx is None:
+            return gemm(x, w, f32_out=f32_out)
+        out = self._empty((M, N), cupy.float32 if f32_out else cupy.uint16)
+        if small:
+            self._gemv(*gx, w, out, kernels.GEMV_OUT["f32" if f32_out else "bf16"])
+        else:
+            self._fn("gemv.cu", f"gemm_inv<{int(f32_out)}>")((-(-M // GI_BM), -(-N // GI_BN)), (256,),
+                                                        (*gx, w, out, i32(M), i32(N), i32(K), i32(gemv_nw(N, K))))
+        return out
 
-    def silu_mul(self, gate_up):
+    def swiglu(self, x, gate_up):
+        """silu(gate) * up of x @ gate_up^T (weight_gate_up's row order). Decode-sized M: one GEMV with the
+        activation in its epilogue; else the GEMM, then silu_mul_kernel. Both give the same bits."""
+        M = x.shape[0]
+        gx = self._gemv_input(x, gate_up) if 1 <= M <= GEMV_MAX_M else None
+        if gx is None:
+            return self._silu_mul(self.linear(x, gate_up))
+        out = self._empty((M, gate_up.shape[0] // 2))
+        self._gemv(*gx, gate_up, out, kernels.GEMV_OUT["swiglu"])
+        return out
+
+    @staticmethod
+    def _gemv_input(x, w):
+        """(x, its row stride in elements) for cuda/gemv.cu's 16-byte loads, or None where the weight or K
+        rule the GEMV out. An x view those loads cannot read in place is copied (the engine's never is)."""
+        M, K = x.shape
+        if not (x.dtype == cupy.uint16 and w.dtype == cupy.uint16 and w.shape[1] == K and K % 8 == 0
+                and w.flags.c_contiguous and w.data.ptr % 16 == 0):
+            return None
+        if x.strides[1] != 2 or x.data.ptr % 16 or (M > 1 and x.strides[0] % 16):
+            x = x.copy()
+        return x, i64(x.strides[0] // 2) if M > 1 else i64(K)
+
+    def _gemv(self, x, sx, w, out, mode: int) -> None:
+        M, K = x.shape
+        N = w.shape[0]
+        name, blocks, nw, smem = gemv_plan(M, N, K, mode)
+        self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)),
+                                        shared_mem=smem)
+
+    def _silu_mul(self, gate_up):
+        """silu(gate) * up of a GEMM output in weight_gate_up's column order (blocks of 8 gate, 8 up)."""
         T, F2 = gate_up.shape
         F = F2 // 2
         assert F % 8 == 0

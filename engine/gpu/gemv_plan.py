@@ -19,14 +19,14 @@ def gemv_nw(N: int, K: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, int]:
+def gemv_plan(M: int, N: int, K: int, out: int) -> tuple[str, int, int, int]:
     """(kernel, blocks, warps per block, shared bytes). The warps per block NW (the K split, hence the
     summation order) depend on (N, K) only, never on M, so a row's result is the same in any batch of
     <= GEMV_MAX_M rows; the variant changes no result.
     NW: >= ~2560 warps in all (N = 2560 has only 160 row groups: 16 warps), >= 4 steps of 32 k each.
     Few row groups (NW >= 8) need every block resident at once (one wave): U = 2 at M <= 4 (2 blocks of
     16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the 256-byte L2
-    prefetch up to M = 8; U = 2 at M = 16 (U = 4 needs too many registers there)."""
+    prefetch up to M = 8; U = 2 at M = 16 (U = 4 needs too many registers there). out: kernels.GEMV_OUT."""
     nw = gemv_nw(N, K)
     if M > GEMV_MAX_M:  # batch-invariant decode buckets: x tiles of 32 or 64 rows (one W pass)
         v = (4, 1, 2, 0) if M <= 32 else (8, 1, 1, 0)
@@ -35,4 +35,4 @@ def gemv_plan(M: int, N: int, K: int, f32_out: bool) -> tuple[str, int, int, int
     else:
         v = (1, 1, 4, 1) if M <= 8 else (2, 1, 2, 0)
     mt, r, u, pf = v
-    return gemv_name(mt, r, u, pf, f32_out), -(-N // (16 * r)), nw, nw * 16 * r * 8 * mt * 4
+    return gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw, nw * 16 * r * 8 * mt * 4

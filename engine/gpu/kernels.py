@@ -44,21 +44,29 @@ ATTN_HD = (64, 128, 256)
 ATTN_G = (1, 2, 3, 4, 6, 8)
 PREFILL_HD = (64, 128, 256)
 CONV_K = (2, 3, 4)
-# gemv_bf16<MT, R, U, PF, F32>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
-# 256-byte prefetch hint; the last two serve only the batch-invariant decode buckets of 17..64 rows
+# gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
+# 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU); the last two variants serve only the
+# batch-invariant decode buckets of 17..64 rows (no SwiGLU form: the backend runs those as OUT = 0 + silu_mul)
 GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
 GEMV_INVARIANT_ONLY = ((4, 1, 2, 0), (8, 1, 1, 0))
 
 
-def gemv_name(mt: int, r: int, u: int, pf: int, f32_out: bool) -> str:
-    return f"gemv_bf16<{mt}, {r}, {u}, {pf}, {int(f32_out)}>"
+GEMV_OUT = {"bf16": 0, "f32": 1, "swiglu": 2}
+
+
+def gemv_name(mt: int, r: int, u: int, pf: int, out: int) -> str:
+    return f"gemv_bf16<{mt}, {r}, {u}, {pf}, {out}>"
+
+
+def _gemv_names(variants) -> list[str]:
+    return [gemv_name(*v, o) for v in variants for o in (0, 1, 2) if o < 2 or v not in GEMV_INVARIANT_ONLY]
 
 
 INSTANCES = {
     "gdn.cu": [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state") for d in GDN_DK],
     "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
     "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
-    "gemv.cu": [gemv_name(*v, f) for v in GEMV_VARIANTS for f in (0, 1)] + ["gemm_inv<0>", "gemm_inv<1>"],
+    "gemv.cu": _gemv_names(GEMV_VARIANTS) + ["gemm_inv<0>", "gemm_inv<1>"],
     "conv1d.cu": [f"conv1d_fwd<{k}>" for k in CONV_K],
 }
 
@@ -91,7 +99,7 @@ def needed(cfg, batch_invariant: bool) -> list[tuple[str, str | None]]:
         "gdn.cu": [f"{k}<{cfg.lin_k_dim}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state")],
         "attention.cu": [f"attn_fwd<{cfg.head_dim}, {G}>"],
         "attention_prefill.cu": [f"attn_prefill<{cfg.head_dim}>"] if cfg.head_dim in PREFILL_HD else [],
-        "gemv.cu": [gemv_name(*v, f) for v in gemv for f in (0, 1)] + (["gemm_inv<0>", "gemm_inv<1>"]
+        "gemv.cu": _gemv_names(gemv) + (["gemm_inv<0>", "gemm_inv<1>"]
                                                                        if batch_invariant else []),
         "conv1d.cu": [f"conv1d_fwd<{cfg.conv_kernel}>"],
     }
