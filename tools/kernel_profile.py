@@ -1,0 +1,120 @@
+"""Where a forward's device time goes, kernel by kernel: an eager prefill of one sequence of L tokens and a
+CUDA-graph decode step of B sequences, on the 4b shapes with random weights (bench_decode.random_model).
+
+Per scenario: each kernel's calls and device microseconds per forward (CUPTI activity records through
+torch.profiler, which only this tool needs; the GPU machine has torch), its share of the kernels' total,
+and the forward's own time between device events beside that total. Kernels run without programmatic
+dependent launch (QWEN35_PDL=0, set here): with it each kernel's span would include its wait for the one
+before. Writes JSON ($OUT/kernel_profile.json when OUT is set).
+
+  python3 tools/kernel_profile.py [--prefill 1024,8192] [--decode-batches 1,16,64] [--ctx 1024]
+      [--max-model-len 8464] [--reps 5] [--top 25] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.setdefault("QWEN35_PDL", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine.gpu.decode_graph import DecodeGraphs  # noqa: E402
+from engine.step import Step  # noqa: E402
+from tools.bench_decode import BS, random_model  # noqa: E402
+from tools.run_meta import device_name  # noqa: E402
+from tools.step_timer import time_per_call  # noqa: E402
+
+
+def kernel_name(raw: str) -> str:
+    """A kernel's name with its template arguments, without the parameter list."""
+    return re.sub(r"^void ", "", raw.split("(")[0]).strip()
+
+
+def profile(fn, reps: int) -> dict[str, tuple[float, float]]:
+    """name -> (calls, device us) per call of fn, from CUPTI kernel records."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn()
+    cupy.cuda.Device().synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        cupy.cuda.Device().synchronize()
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            a = agg[kernel_name(e.name)]
+            a[0] += 1
+            a[1] += getattr(e, "device_time_total", None) or e.cuda_time_total
+    return {k: (n / reps, t / reps) for k, (n, t) in agg.items()}
+
+
+def report(title: str, kernels: dict, wall_ms: float, top: int) -> dict:
+    total = sum(t for _, t in kernels.values())
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    print(f"\n{title}: forward {wall_ms:.3f} ms between events, kernels {total / 1e3:.3f} ms "
+          f"({sum(n for n, _ in kernels.values()):.0f} launches)")
+    print(f"{'kernel':70s} {'calls':>6} {'us':>9} {'share':>6}")
+    for name, (n, t) in rows[:top]:
+        print(f"{name[:70]:70s} {n:6.0f} {t:9.1f} {t / total:6.1%}")
+    if len(rows) > top:
+        rest = rows[top:]
+        print(f"{'(' + str(len(rest)) + ' more)':70s} {sum(n for _, (n, _) in rest):6.0f} "
+              f"{sum(t for _, (_, t) in rest):9.1f} {sum(t for _, (_, t) in rest) / total:6.1%}")
+    return dict(scenario=title, wall_ms=wall_ms, kernels_ms=total / 1e3,
+                kernels=[dict(name=k, calls=n, us=t) for k, (n, t) in rows])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="4b")
+    ap.add_argument("--prefill", default="1024,8192", help="prompt lengths (one sequence each); '' for none")
+    ap.add_argument("--decode-batches", default="1,16,64", help="decode graph batch sizes; '' for none")
+    ap.add_argument("--ctx", type=int, default=1024, help="the decode sequences' context")
+    ap.add_argument("--max-model-len", type=int, default=8464, help="the decode graphs' context bound")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per scenario")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    lengths = [int(x) for x in a.prefill.split(",") if x]
+    batches = [int(x) for x in a.decode_batches.split(",") if x]
+
+    model = random_model(a.preset)
+    nmax = max(batches, default=0)
+    need = -(-(a.ctx + 1) // BS)
+    pre = -(-max(lengths, default=0) // BS)
+    cache = model.alloc_cache(nmax + 2, 1 + nmax * need + pre, BS)  # slot 0 / page 0: the graphs' dummies
+    rng = np.random.default_rng(0)
+    out = []
+    for L in lengths:  # slot nmax + 1, the pages after the decode sequences'
+        pages = list(range(1 + nmax * need, 1 + nmax * need + -(-L // BS)))
+        st = Step.build([(list(rng.integers(0, 248000, L)), 0, nmax + 1, pages)])
+        wall = time_per_call(lambda: model.forward(st, cache), model.ops, a.reps) * 1e3
+        out.append(report(f"prefill {L} tokens", profile(lambda: model.forward(st, cache), a.reps), wall, a.top))
+    if batches:
+        graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0,
+                              max_blocks_per_seq=max(need, -(-a.max_model_len // BS)))
+        for B in batches:  # decode at position ctx; the KV's values do not matter for speed
+            st = Step.build([([int(rng.integers(0, 248000))], a.ctx, i + 1,
+                              list(range(1 + i * need, 1 + (i + 1) * need))) for i in range(B)])
+            graphs.capture(graphs.bucket_for(B))
+            wall = time_per_call(lambda: graphs.run(st), model.ops, 20) * 1e3
+            out.append(report(f"decode graph batch {B}, ctx {a.ctx}", profile(lambda: graphs.run(st), a.reps * 4),
+                              wall, a.top))
+    path = a.json or (os.path.join(os.environ["OUT"], "kernel_profile.json") if os.environ.get("OUT")
+                      else "kernel_profile.json")
+    Path(path).write_text(json.dumps(dict(preset=a.preset, device=device_name(model.ops), pdl=False,
+                                          ctx=a.ctx, max_model_len=a.max_model_len, scenarios=out), indent=1))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
