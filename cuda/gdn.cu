@@ -2,17 +2,23 @@
 // Fused: gating g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), value head h -> q/k head
 // h / (nv/nk), q/k L2 norm (rsqrt(sum + 1e-6)), q * dk^-0.5, decay, delta update, output o = S^T q.
 //
-// Grid (dv/32, nv, B), 128 threads. A block owns a [DK, 32] tile of one head's state [DK, dv] for one
-// sequence: lane = state column, warp w = rows [w*DK/4, (w+1)*DK/4), DK/4 f32 registers per thread.
-// Sequences of several tokens run here too when they are speculative verifies (spec_rows[seq] >= 0):
-// the state after each of their tokens but the last also goes to rows spec_rows[seq] + 0, 1, ..., so a
-// verify that accepts a of its drafts is rolled back by copying row spec_rows[seq] + a into the slot.
+// Tiles: a [DK, 32] column block of one head's state [DK, dv] for one sequence, (dv/32) x nv x B of them
+// (column block fastest). 128 threads per tile: lane = state column, warp w = rows [w*DK/4, (w+1)*DK/4),
+// DK/4 f32 registers per thread. Sequences of several tokens run here too when they are speculative
+// verifies (spec_rows[seq] >= 0): the state after each of their tokens but the last also goes to rows
+// spec_rows[seq] + 0, 1, ..., so a verify that accepts a of its drafts is rolled back by copying row
+// spec_rows[seq] + a into the slot.
+// Grid: min(tiles, GDN_REC_BLOCKS x SMs) blocks, each walking tiles blockIdx.x, + gridDim.x, ...: while it
+// computes one tile the next one's state streams into shared memory (cp.async, two buffers) and its first
+// token's inputs into registers (the slot and token range two tiles ahead), so an SM's state loads do not
+// stop while its blocks compute (with one tile per block they ran in lockstep phases: ~60% of copy at B = 32).
 #include "common.cuh"
 
 #define GDN_WARPS 4
+#define GDN_REC_BLOCKS 4  // resident blocks per SM (launch bounds; 2 state buffers of 16 KB each at DK 128)
 
 template <int DK>
-__global__ void __launch_bounds__(128, 4) gdn_recurrent(
+__global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
     const bf16_t* __restrict__ qkv, long long sq,   // [T, 2*nk*DK + nv*dv], row stride sq
     const bf16_t* __restrict__ a, long long sa,     // [T, nv] row stride sa
     const bf16_t* __restrict__ b, long long sb,     // [T, nv] row stride sb
@@ -21,99 +27,136 @@ __global__ void __launch_bounds__(128, 4) gdn_recurrent(
     const int* __restrict__ cu, const int* __restrict__ slots,
     const int* __restrict__ spec_rows,              // [B]: first per-token state row, or -1
     bf16_t* __restrict__ out,                       // [T, nv*dv]
-    int nk, int nv, int dv)
+    int nk, int nv, int dv, int B)
 {
     pdl_enter();
     constexpr int R = DK / GDN_WARPS;
+    extern __shared__ __align__(16) float s_tile[];  // [2][DK][32] state tiles
     __shared__ float s_q[DK], s_k[DK];
     __shared__ float s_red[2][GDN_WARPS];
     __shared__ float s_p[GDN_WARPS][32];
     __shared__ float s_o[GDN_WARPS][32];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int col = blockIdx.x * 32 + lane;
-    const int h = blockIdx.y, seq = blockIdx.z;
-    const int hk = h / (nv / nk);
-    const int t0 = cu[seq], t1 = cu[seq + 1];
-    const long long slot = slots[seq];
+    const int xt = dv / 32, tiles = xt * nv * B;
     const long long row_size = (long long)nv * DK * dv;
-    float* S_base = state + slot * row_size + (long long)h * DK * dv + col;
-    // the next per-token state row (a verify), or null
-    float* S_next = spec_rows[seq] >= 0 ? S_base + (spec_rows[seq] - slot) * row_size : nullptr;
-
-    float S[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) S[r] = S_base[(long long)(warp * R + r) * dv];
-
-    const float A = expf(A_log[h]);
-    const float dtb = dt_bias[h];
     const float qscale = rsqrtf((float)DK);
 
-    // token t's inputs (q, k of this thread's row, v of its column, the gate inputs a, b) are loaded while
-    // token t - 1 is computed: a verify's tokens then wait for one load latency, not one each
-    bf16_t in_q = 0, in_k = 0, in_v = 0, in_a = 0, in_b = 0;
-    auto load = [&](int t) {
+    // a tile's inputs at token t (q, k of this thread's row, v of its column, the gate inputs a, b)
+    struct In { bf16_t q, k, v, a, b; };
+    auto load = [&](int tile, int t, In& in) {
+        const int h = (tile / xt) % nv, hk = h / (nv / nk), col = (tile % xt) * 32 + lane;
         const bf16_t* row = qkv + (long long)t * sq;
         if (tid < DK) {
-            in_q = row[hk * DK + tid];
-            in_k = row[nk * DK + hk * DK + tid];
+            in.q = row[hk * DK + tid];
+            in.k = row[nk * DK + hk * DK + tid];
         }
-        in_v = row[2 * nk * DK + h * dv + col];
-        in_a = a[(long long)t * sa + h];
-        in_b = b[(long long)t * sb + h];
+        in.v = row[2 * nk * DK + h * dv + col];
+        in.a = a[(long long)t * sa + h];
+        in.b = b[(long long)t * sb + h];
     };
-    if (t0 < t1) load(t0);
-    for (int t = t0; t < t1; ++t) {
-        const float qv = tid < DK ? bf2f(in_q) : 0.0f, kv = tid < DK ? bf2f(in_k) : 0.0f;
-        const float vj = bf2f(in_v);
-        const float decay = expf(-A * softplus_f(bf2f(in_a) + dtb));
-        const float beta = sigmoid_f(bf2f(in_b));
-        if (t + 1 < t1) load(t + 1);
-        const float sqq = warp_sum(qv * qv), skk = warp_sum(kv * kv);
-        if (lane == 0) { s_red[0][warp] = sqq; s_red[1][warp] = skk; }
-        __syncthreads();
-        float nq = 0.0f, nkk = 0.0f;
-#pragma unroll
-        for (int w = 0; w < GDN_WARPS; ++w) { nq += s_red[0][w]; nkk += s_red[1][w]; }
-        if (tid < DK) {
-            s_q[tid] = qv * rsqrtf(nq + 1e-6f) * qscale;
-            s_k[tid] = kv * rsqrtf(nkk + 1e-6f);
+    auto fetch_state = [&](int tile, int slot, float* buf) {  // one cp.async group
+        const float* src = state + (long long)slot * row_size + (long long)((tile / xt) % nv) * DK * dv + (tile % xt) * 32;
+        for (int j = tid; j < DK * 8; j += 128) {
+            const int r = j >> 3, c = (j & 7) * 4;
+            cp_async16(smem_addr(buf + r * 32 + c), src + (long long)r * dv + c, 16);
         }
-        __syncthreads();
-        float p = 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            S[r] *= decay;
-            p += S[r] * s_k[warp * R + r];
+        cp_async_commit();
+    };
+    struct Meta { int slot, t0, t1; };
+    auto meta = [&](int tile) {
+        const int seq = tile / (xt * nv);
+        return Meta{slots[seq], cu[seq], cu[seq + 1]};
+    };
+
+    const int step = gridDim.x;
+    int tile = blockIdx.x;
+    Meta cur = meta(tile), nxt{0, 0, 0};
+    In in{}, in_next{};
+    fetch_state(tile, cur.slot, s_tile);
+    load(tile, cur.t0, in);
+    if (tile + step < tiles) nxt = meta(tile + step);
+    for (int i = 0; tile < tiles; ++i, tile += step) {
+        const bool more = tile + step < tiles;
+        float* buf = s_tile + (i & 1) * DK * 32;
+        Meta after{0, 0, 0};
+        if (more) {  // the next tile's state and first inputs; the slot and tokens of the one after
+            fetch_state(tile + step, nxt.slot, s_tile + ((i + 1) & 1) * DK * 32);
+            load(tile + step, nxt.t0, in_next);
+            if (tile + 2 * step < tiles) after = meta(tile + 2 * step);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
-        s_p[warp][lane] = p;
-        __syncthreads();
-        float kS = 0.0f;
+        __syncthreads();                            // this tile's state landed for every thread
+
+        const int h = (tile / xt) % nv, seq = tile / (xt * nv), col = (tile % xt) * 32 + lane;
+        float* S_base = state + (long long)cur.slot * row_size + (long long)h * DK * dv + col;
+        // the next per-token state row (a verify), or null
+        float* S_next = spec_rows[seq] >= 0 ? S_base + (spec_rows[seq] - cur.slot) * row_size : nullptr;
+        float S[R];
 #pragma unroll
-        for (int w = 0; w < GDN_WARPS; ++w) kS += s_p[w][lane];
-        const float delta = beta * (vj - kS);
-        float o = 0.0f;
+        for (int r = 0; r < R; ++r) S[r] = buf[(warp * R + r) * 32 + lane];
+        const float A = expf(A_log[h]);
+        const float dtb = dt_bias[h];
+
+        // token t + 1's inputs load while token t is computed: a verify's tokens wait for one load latency
+        for (int t = cur.t0; t < cur.t1; ++t) {
+            const float qv = tid < DK ? bf2f(in.q) : 0.0f, kv = tid < DK ? bf2f(in.k) : 0.0f;
+            const float vj = bf2f(in.v);
+            const float decay = expf(-A * softplus_f(bf2f(in.a) + dtb));
+            const float beta = sigmoid_f(bf2f(in.b));
+            if (t + 1 < cur.t1) load(tile, t + 1, in);
+            const float sqq = warp_sum(qv * qv), skk = warp_sum(kv * kv);
+            if (lane == 0) { s_red[0][warp] = sqq; s_red[1][warp] = skk; }
+            __syncthreads();
+            float nq = 0.0f, nkk = 0.0f;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            S[r] += s_k[warp * R + r] * delta;
-            o += S[r] * s_q[warp * R + r];
+            for (int w = 0; w < GDN_WARPS; ++w) { nq += s_red[0][w]; nkk += s_red[1][w]; }
+            if (tid < DK) {
+                s_q[tid] = qv * rsqrtf(nq + 1e-6f) * qscale;
+                s_k[tid] = kv * rsqrtf(nkk + 1e-6f);
+            }
+            __syncthreads();
+            float p = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                S[r] *= decay;
+                p += S[r] * s_k[warp * R + r];
+            }
+            s_p[warp][lane] = p;
+            __syncthreads();
+            float kS = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GDN_WARPS; ++w) kS += s_p[w][lane];
+            const float delta = beta * (vj - kS);
+            float o = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                S[r] += s_k[warp * R + r] * delta;
+                o += S[r] * s_q[warp * R + r];
+            }
+            s_o[warp][lane] = o;
+            __syncthreads();
+            if (warp == 0) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int w = 0; w < GDN_WARPS; ++w) acc += s_o[w][lane];
+                out[(long long)t * nv * dv + h * dv + col] = f2bf(acc);
+            }
+            if (S_next && t + 1 < cur.t1) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) S_next[(long long)(warp * R + r) * dv] = S[r];
+                S_next += row_size;
+            }
         }
-        s_o[warp][lane] = o;
-        __syncthreads();
-        if (warp == 0) {
-            float acc = 0.0f;
 #pragma unroll
-            for (int w = 0; w < GDN_WARPS; ++w) acc += s_o[w][lane];
-            out[(long long)t * nv * dv + h * dv + col] = f2bf(acc);
-        }
-        if (S_next && t + 1 < t1) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) S_next[(long long)(warp * R + r) * dv] = S[r];
-            S_next += row_size;
-        }
+        for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
+        if (cur.t0 == cur.t1) __syncthreads();     // (no token's barriers) buf is refilled next iteration
+        cur = nxt;
+        nxt = after;
+        in = in_next;
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
 }
 
 // Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
@@ -121,13 +164,13 @@ __global__ void __launch_bounds__(128, 4) gdn_recurrent(
 #ifndef __CUDACC_RTC__
 template __global__ void gdn_recurrent<32>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
                                            const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
-                                           int, int, int);
+                                           int, int, int, int);
 template __global__ void gdn_recurrent<64>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
                                            const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
-                                           int, int, int);
+                                           int, int, int, int);
 template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
                                             const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
-                                            int, int, int);
+                                            int, int, int, int);
 #endif
 
 // ---- Chunked (WY/UT) form for prefill (spec §4.7), two kernels ----------------------------------

@@ -33,6 +33,7 @@ from .gemv_plan import GEMV_MAX_M, GEMV_MAX_M_INVARIANT, gemv_nw, gemv_plan
 from .prefill_tiles import PF_ROWS, leading_singles, prefill_tiles
 
 LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
+GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
@@ -408,11 +409,12 @@ class CudaBackend:
         if not T:
             return out
         nd = meta.n_rec
-        if nd:
-            self._fn("gdn.cu", f"gdn_recurrent<{dk}>")(
-                (dv // 32, nv, nd), (128,),
+        if nd:  # blocks walk the (dv / 32) x nv x nd state tiles, the next one's state prefetched (gdn.cu)
+            tiles, smem = dv // 32 * nv * nd, 2 * dk * 32 * 4
+            self._fn("gdn.cu", f"gdn_recurrent<{dk}>", smem)(
+                (min(tiles, GDN_REC_BLOCKS * self.num_sms),), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots,
-                 meta.spec_rows, out, i32(nk), i32(nv), i32(dv)))
+                 meta.spec_rows, out, i32(nk), i32(nv), i32(dv), i32(nd)), shared_mem=smem)
         if nd == meta.B:
             return out
         cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
