@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
     Meta cur = meta(tile), nxt{0, 0, 0};
     In in{}, in_next{};
     fetch_state(tile, cur.slot, s_tile);
-    load(tile, cur.t0, in);
+    if (cur.t0 < cur.t1) load(tile, cur.t0, in);
     if (tile + step < tiles) nxt = meta(tile + step);
     for (int i = 0; tile < tiles; ++i, tile += step) {
         const bool more = tile + step < tiles;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
         Meta after{0, 0, 0};
         if (more) {  // the next tile's state and first inputs; the slot and tokens of the one after
             fetch_state(tile + step, nxt.slot, s_tile + ((i + 1) & 1) * DK * 32);
-            load(tile + step, nxt.t0, in_next);
+            if (nxt.t0 < nxt.t1) load(tile + step, nxt.t0, in_next);
             if (tile + 2 * step < tiles) after = meta(tile + 2 * step);
             cp_async_wait<1>();
         } else {

@@ -419,3 +419,22 @@ def test_verify_keeps_the_state_after_each_token(be, ref, nk, nv, dk, dv):
     assert (m.n_dec, m.n_rec) == (1, 3)
     assert all(rel(rec[r], rec0[r]) > 0.1 for r in (5, 6, 7, 8))  # written
     assert rel(rec[9], rec0[9]) == 0.0                              # a 2-token verify writes one row
+
+
+def test_recurrence_walks_many_tiles_per_block(be, ref):
+    """At the 4B shapes, 90 decodes then 46 4-token verifies (a step's order): ~17k state tiles, ~33 per
+    block of gdn_recurrent (each block walks tiles with the next one's state prefetched, so decode and
+    verify tiles share blocks), outputs and every state row (the slots' and the verifies' per-token rows)
+    as the reference computes them."""
+    rng = np.random.default_rng(13)
+    n = 136
+    lens = [1] * 90 + [4] * 46
+    step = make_step(rng, lens, [3] * n, n + 4, 16, num_slots=n)
+    verifies = [i for i in range(n) if lens[i] == 4]
+    spec = np.full(n, -1, np.int32)
+    spec[verifies] = n + 3 * np.arange(len(verifies))
+    step.spec_rows = spec
+    rows = n + 3 * len(verifies)
+    m, rec0, rec = _gdn_state_step(be, ref, rng, step, rows, 16, 32, 128, 128)
+    assert m.n_rec == n
+    assert all(rel(rec[r], rec0[r]) > 0.1 for r in range(rows))  # every slot and rollback row written

@@ -405,6 +405,7 @@ class CudaBackend:
         T = qkv.shape[0]
         assert dk in kernels.GDN_DK and dv % 32 == 0 and nv % nk == 0 and state.dtype == cupy.float32
         assert A_log.dtype == cupy.float32 and dt_bias.dtype == cupy.float32
+        assert state.flags.c_contiguous and state.data.ptr % 16 == 0  # 16-byte cp.async of state rows
         out = self._empty((T, nv * dv))
         if not T:
             return out
