@@ -88,10 +88,13 @@ def test_linear(be, ref, M, N, K):
     assert rel(be.to_host(be.linear(x.dev, w.dev)), ref.linear(x.np, w.np)) <= BF16_TOL
 
 
-@pytest.mark.parametrize("T,F,H", [(1, 256, 128), (9, 256, 64), (16, 9216, 2560), (37, 9216, 2560), (3, 17408, 5120)])
+@pytest.mark.parametrize("T,F,H", [(1, 256, 128), (9, 256, 64), (16, 9216, 2560), (37, 9216, 2560), (3, 17408, 5120),
+                                   (8, 1032, 1024), (12, 264, 1064)])
 def test_swiglu(be, ref, T, F, H):
     """The MLP's gate|up GEMM and activation: the GEMV with the activation in its epilogue (T <= 16) and
-    the GEMM + silu_mul (above) against NumPy, and the fused GEMV bit-equal to the GEMV + silu_mul."""
+    the GEMM + silu_mul (above) against NumPy, and the fused GEMV bit-equal to the GEMV + silu_mul (T <= 16;
+    above it the two sides are the same path). The last two shapes take the 2-group-per-warp plans, a
+    partial last block and a K % 32 tail."""
     rng = np.random.default_rng(T + F)
     x, g, u = rnd(rng, T, H), rnd(rng, F, H, scale=2 * H ** -0.5), rnd(rng, F, H, scale=2 * H ** -0.5)
     w = be.weight_gate_up(g.bits, u.bits)

@@ -130,12 +130,13 @@ class CudaBackend:
 
     def weight_gate_up(self, gate, up) -> cupy.ndarray:
         """gate|up with rows interleaved in blocks of 8 (rows 16b.. +7 are gate rows 8b.., the next 8 the up
-        rows 8b..): the GEMV's epilogue then holds both halves of a feature (cuda/gemv.cu, OUT = 2)."""
-        w = self.weight([gate, up])
-        F, H = w.shape[0] // 2, w.shape[1]
-        if F % 8:
-            raise ValueError(f"MLP width {F} is not a multiple of 8")
-        return cupy.ascontiguousarray(w.reshape(2, F // 8, 8, H).transpose(1, 0, 2, 3)).reshape(2 * F, H)
+        rows 8b..): the GEMV's epilogue then holds both halves of a feature (cuda/gemv.cu, OUT = 2). Interleaved
+        on the host, one layer at a time, so the device holds no second copy."""
+        F, H = gate.shape
+        if F % 8 or up.shape != (F, H):
+            raise ValueError(f"MLP gate {gate.shape} / up {up.shape}: equal shapes, width a multiple of 8")
+        return self.weight(np.stack([np.reshape(gate, (F // 8, 8, H)), np.reshape(up, (F // 8, 8, H))], 1)
+                           .reshape(2 * F, H))
 
     def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
         nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
@@ -336,6 +337,7 @@ class CudaBackend:
         gx = self._gemv_input(x, gate_up) if 1 <= M <= GEMV_MAX_M else None
         if gx is None:
             return self._silu_mul(self.linear(x, gate_up))
+        assert gate_up.shape[0] % 16 == 0, "swiglu: not a weight_gate_up weight"
         out = self._empty((M, gate_up.shape[0] // 2))
         self._gemv(*gx, gate_up, out, kernels.GEMV_OUT["swiglu"])
         return out
