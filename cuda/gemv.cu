@@ -195,18 +195,18 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             p[ROWS + 8] = acc[r][t][3];
         }
     __syncthreads();
+    auto total = [&](int row, int col) {  // the warps' partial sums of one output, in warp order
+        float v = red[col * ROWS + row];
+        for (int j = 1; j < nw; ++j) v += red[(j * COLS + col) * ROWS + row];
+        return v;
+    };
     if (OUT == 2) {  // block rows 16b + e (gate) and 16b + 8 + e (up) -> feature n0 / 2 + 8b + e
         const int valid = (M < COLS ? M : COLS) * (ROWS / 2);
         for (int i = threadIdx.x; i < valid; i += blockDim.x) {
             const int f = i % (ROWS / 2), col = i / (ROWS / 2);
             const int row = 16 * (f >> 3) + (f & 7);
             if (n0 + row >= N) continue;
-            float vg = red[col * ROWS + row], vu = red[col * ROWS + row + 8];
-            for (int j = 1; j < nw; ++j) {
-                vg += red[(j * COLS + col) * ROWS + row];
-                vu += red[(j * COLS + col) * ROWS + row + 8];
-            }
-            const float gb = bf2f(f2bf(vg)), ub = bf2f(f2bf(vu));
+            const float gb = bf2f(f2bf(total(row, col))), ub = bf2f(f2bf(total(row + 8, col)));
             static_cast<bf16_t*>(y)[(long long)col * (N / 2) + n0 / 2 + f] = f2bf(silu_f(gb) * ub);
         }
         return;
@@ -216,8 +216,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         const int row = i % ROWS, col = i / ROWS;
         const int n = n0 + row;
         if (n >= N) continue;
-        float v = red[col * ROWS + row];
-        for (int j = 1; j < nw; ++j) v += red[(j * COLS + col) * ROWS + row];
+        const float v = total(row, col);
         const long long o = (long long)col * N + n;
         if (OUT == 1) static_cast<float*>(y)[o] = v;
         else static_cast<bf16_t*>(y)[o] = f2bf(v);
