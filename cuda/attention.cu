@@ -2,8 +2,9 @@
 //  attn_prep:  q/gate split (per-head [q_h | gate_h]; sqh hd: q alone, the DFlash drafter's; nh 0: no q, K/V
 //              only), QK RMSNorm (1 + w), partial NeoX RoPE on the first rd dims, K/V written into the paged
 //              cache [blocks, block_size, nkv, hd] at slot_mapping.
-//  attn_fwd:   causal paged GQA attention, one block per (key split, kv head, query token) holding all
-//              G query heads of the kv head; online softmax per warp, warps merged in shared memory.
+//  attn_fwd:   causal paged GQA attention for decode-sized queries on tensor cores, one block per (key
+//              split, kv head, query token) holding all G query heads of the kv head; each warp walks
+//              16-key tiles with an online softmax, warps merged in shared memory.
 //              window > 0: only the last `window` keys up to the token's own (DFlash's sliding layers).
 //              nsplit == 1: normalise, apply sigmoid(gate), write bf16. Otherwise write f32 partials
 //              and attn_combine merges the splits (split-K over long contexts, flash-decoding style).
@@ -68,43 +69,47 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(
     }
 }
 
-template <int E>
-__device__ __forceinline__ void load_row(const bf16_t* p, float (&f)[E]) {
-    if constexpr (E == 8) {
-        unpack8(*reinterpret_cast<const uint4*>(p), f);
-    } else if constexpr (E == 4) {
-        const uint2 u = *reinterpret_cast<const uint2*>(p);
-        f[0] = lo_bf(u.x); f[1] = hi_bf(u.x); f[2] = lo_bf(u.y); f[3] = hi_bf(u.y);
-    } else if constexpr (E == 2) {
-        const unsigned u = *reinterpret_cast<const unsigned*>(p);
-        f[0] = lo_bf(u); f[1] = hi_bf(u);
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) f[e] = bf2f(p[e]);
-    }
-}
-
 #define ATTN_WARPS 4
 #define ATTN_MIN_SPLIT_KEYS 16
 
+// The transpose of an 8 x 8 b16 matrix held as one register per lane (lane g * 4 + t: row g, columns
+// 2t and 2t + 1), delivered in the same layout.
+__device__ __forceinline__ unsigned movm_trans(unsigned x) {
+    unsigned r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// Decode attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate): each warp walks 16-key
+// tiles of its split. Lane (g = lane / 4, t = lane % 4) loads 16-byte pieces of keys g and g + 8 (dims
+// 32c + 8t .. + 7 of chunk c) straight from the paged cache; a dot product does not care in which order
+// its dims come, so Q's fragments are loaded with the same permutation and the pieces are mma operands
+// as they are:
+//   S = Q K^T: A = Q (rows = the G query heads, zero rows up to 16), B = K^T (the tile's keys 0-7 | 8-15 as
+//     two n-tiles); per 16-byte piece .x/.y feed one k16 step, .z/.w the next.
+//   O^T = V^T P^T: B = P^T is S's accumulators of rows g (heads) packed to bf16; A = V^T, the V pieces'
+//     registers transposed by movmatrix (lane rows = dims, known at the store).
+// Online softmax per head in log2 units (q . k * scale * log2 e), over the 4 lanes of a row; the heads'
+// rescale factors reach the O^T columns by shuffles. P is rounded to bf16 for its product (as FlashAttention
+// does); the row sums l add the f32 p.
 // q: [T, nh, HD] contiguous; gate: [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc: [blocks, bs, nkv, HD].
-// block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its absolute position
-// (it attends keys 0..pos, or pos - window + 1..pos when window > 0); chunk: keys per split, or 0 (see below).
-// out: [T, nh*HD].
-// part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2].
+// block_tables: [B, bt_stride]; tok_seq[t]: sequence of token t; positions[t]: its last key (it attends
+// keys 0..pos, or pos - window + 1..pos when window > 0); chunk: keys per split, or 0 (see below).
+// out: [T, nh*HD]. part_acc: [T, nh, nsplit, HD], part_ml: [T, nh, nsplit, 2] (m in natural-log units).
 template <int HD, int G>
-__global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
+__global__ void __launch_bounds__(128, HD >= 256 ? 2 : HD >= 128 ? 3 : 4) attn_fwd(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
     const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ tok_seq,
     const int* __restrict__ positions, int nkv, int bs, int chunk, int window, float scale,
     bf16_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml)
 {
+    static_assert(HD % 32 == 0 && G <= 8, "16-byte pieces of 32-dim chunks; the heads fit one n-tile");
     pdl_enter();
-    constexpr int E = HD / 32;
+    constexpr int NC = HD / 32;
     __shared__ float s_m[ATTN_WARPS][G], s_l[ATTN_WARPS][G];
     __shared__ float s_acc[ATTN_WARPS][G][HD];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int split = blockIdx.x, nsplit = gridDim.x, kvh = blockIdx.y;
     const long long t = blockIdx.z;
     const int nh = nkv * G;
@@ -118,42 +123,103 @@ __global__ void __launch_bounds__(128, (G * HD / 32 >= 32) ? 2 : 4) attn_fwd(
     const int j0 = chunk > 0 ? max(split * per, first) : first + split * per;
     const int j1 = min((chunk > 0 ? split * per : j0) + per, n_keys);
     const int* table = block_tables + (long long)tok_seq[t] * bt_stride;
+    const float sl2 = scale * 1.4426950408889634f;
 
-    float qr[G][E], acc[G][E], m[G], l[G];
+    // the G query rows, shared by the block's warps (registers go to the two tiles in flight)
+    __shared__ __align__(16) bf16_t s_q[G][HD];
+    for (int i = threadIdx.x; i < G * HD / 8; i += blockDim.x)
+        reinterpret_cast<uint4*>(&s_q[0][0])[i] = reinterpret_cast<const uint4*>(q + (t * nh + kvh * G) * HD)[i];
+    __syncthreads();
+    float o[NC][2][4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        load_row<E>(q + (t * nh + kvh * G + g) * HD + lane * E, qr[g]);
+    for (int c = 0; c < NC; ++c)
 #pragma unroll
-        for (int e = 0; e < E; ++e) { qr[g][e] *= scale; acc[g][e] = 0.0f; }
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-    }
-    for (int j = j0 + warp; j < j1; j += ATTN_WARPS) {
-        const long long page = table[j / bs];
-        const long long off = ((page * bs + (j % bs)) * nkv + kvh) * HD + lane * E;
-        float kr[E], vr[E];
-        load_row<E>(kc + off, kr);
-        load_row<E>(vc + off, vr);
+        for (int i = 0; i < 8; ++i) o[c][i / 4][i % 4] = 0.0f;
+    float m = NEG_INF, l = 0.0f;  // head g's
+
+    // A warp's tiles are j0 + 16 * warp + 64 * i. Two-stage register pipeline: the next tile's K is loaded
+    // once this tile's S is computed and its V once this tile's P V is, so each load has a whole tile of
+    // work to arrive under. Keys j + g and j + 8 + g; past j1 they read the last key (in bounds), masked.
+    auto rows = [&](int j, long long& oa, long long& ob) {
+        const int ka = min(j + g, j1 - 1), kb = min(j + 8 + g, j1 - 1);
+        oa = (((long long)table[ka / bs] * bs + ka % bs) * nkv + kvh) * HD + 8 * tg;
+        ob = (((long long)table[kb / bs] * bs + kb % bs) * nkv + kvh) * HD + 8 * tg;
+    };
+    auto load = [&](const bf16_t* cache, long long oa, long long ob, uint4 (&r)[2][NC]) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float s = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) s += qr[g][e] * kr[e];
-            s = warp_sum(s);
-            const float mn = fmaxf(m[g], s);
-            const float c = expf(m[g] - mn), p = expf(s - mn);
-            l[g] = l[g] * c + p;
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * c + p * vr[e];
-            m[g] = mn;
+        for (int c = 0; c < NC; ++c) {
+            r[0][c] = *reinterpret_cast<const uint4*>(cache + oa + 32 * c);
+            r[1][c] = *reinterpret_cast<const uint4*>(cache + ob + 32 * c);
         }
+    };
+    uint4 kr[2][NC], vr[2][NC];  // [key g | key g + 8][chunk]
+    int j = j0 + 16 * warp;
+    if (j < j1) {
+        long long oa, ob;
+        rows(j, oa, ob);
+        load(kc, oa, ob, kr);
+        load(vc, oa, ob, vr);
     }
+    for (; j < j1; j += 16 * ATTN_WARPS) {
+        const bool more = j + 16 * ATTN_WARPS < j1;
+        long long na = 0, nb = 0;
+        if (more) rows(j + 16 * ATTN_WARPS, na, nb);
+        float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+        for (int c = 0; c < NC; ++c) {
+            const uint4 qa = g < G ? *reinterpret_cast<const uint4*>(&s_q[g][32 * c + 8 * tg]) : make_uint4(0u, 0u, 0u, 0u);
+            mma_bf16(s0, qa.x, 0u, qa.y, 0u, kr[0][c].x, kr[0][c].y);
+            mma_bf16(s0, qa.z, 0u, qa.w, 0u, kr[0][c].z, kr[0][c].w);
+            mma_bf16(s1, qa.x, 0u, qa.y, 0u, kr[1][c].x, kr[1][c].y);
+            mma_bf16(s1, qa.z, 0u, qa.w, 0u, kr[1][c].z, kr[1][c].w);
+        }
+        if (more) load(kc, na, nb, kr);
+        // row g: s0[0..1] = keys j + 2t, +1; s1[0..1] = keys j + 8 + 2t, +1 (s*[2..3]: zero rows)
+        const int k0 = j + 2 * tg;
+        float x[4] = {k0 < j1 ? s0[0] * sl2 : NEG_INF, k0 + 1 < j1 ? s0[1] * sl2 : NEG_INF,
+                      k0 + 8 < j1 ? s1[0] * sl2 : NEG_INF, k0 + 9 < j1 ? s1[1] * sl2 : NEG_INF};
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);  // finite: key j < j1 is in the tile
+        const float corr = exp2f(m - mn);
 #pragma unroll
-        for (int e = 0; e < E; ++e) s_acc[warp][g][lane * E + e] = acc[g][e];
+        for (int i = 0; i < 4; ++i) x[i] = exp2f(x[i] - mn);
+        l = l * corr + (x[0] + x[1]) + (x[2] + x[3]);
+        m = mn;
+        const unsigned pb0 = pack_bf16x2(x[0], x[1]), pb1 = pack_bf16x2(x[2], x[3]);
+        // O^T columns 2t, 2t + 1 are heads 2t, 2t + 1, whose factors live in lanes 8t and 8t + 4
+        const float c0 = __shfl_sync(0xffffffffu, corr, 8 * tg), c1 = __shfl_sync(0xffffffffu, corr, 8 * tg + 4);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const unsigned a[2][4] = {{vr[0][c].x, vr[0][c].y, vr[0][c].z, vr[0][c].w},
+                                      {vr[1][c].x, vr[1][c].y, vr[1][c].z, vr[1][c].w}};
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                float (&acc)[4] = o[c][jj];
+                acc[0] *= c0; acc[1] *= c1; acc[2] *= c0; acc[3] *= c1;
+                mma_bf16(acc, movm_trans(a[0][2 * jj]), movm_trans(a[0][2 * jj + 1]), movm_trans(a[1][2 * jj]),
+                         movm_trans(a[1][2 * jj + 1]), pb0, pb1);
+            }
+        }
+        if (more) load(vc, na, nb, vr);
     }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (tg == 0 && g < G) { s_m[warp][g] = m * 0.6931471805599453f; s_l[warp][g] = l; }
+    // o[c][jj]: rows g / g + 8 are dims 32c + 8(g / 2) + 4jj + (g & 1) and that + 2; columns heads 2t, 2t + 1
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const int d = 32 * c + 8 * (g >> 1) + 4 * jj + (g & 1);
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (2 * tg + e < G) {
+                    s_acc[warp][2 * tg + e][d] = o[c][jj][e];
+                    s_acc[warp][2 * tg + e][d + 2] = o[c][jj][2 + e];
+                }
+        }
     __syncthreads();
     for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
         const int g = i / HD, d = i % HD;

@@ -390,12 +390,16 @@ class CudaBackend:
             # tokens per thread: 16 in a prefill (each x row read once); 1 when every sequence decodes or
             # verifies (a verify's few tokens in parallel threads, not one thread's serial loads)
             tt = 1 if meta.max_new <= 1 or meta.n_rec == meta.B else 16
+            # one new token per sequence (plain decode: no verify rows, no snapshot saves, which need >= 64
+            # tokens): conv1d_fwd writes the new state itself, one launch instead of two
+            update = meta.max_new <= 1
             self._fn("conv1d.cu", f"conv1d_fwd<{K}>")((-(-C // 1024), -(-T // tt)), (128,),
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
-                                                  i32(T), i32(C), i32(tt)))
-            self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
-                                                    (x, sx, state, meta.cu_seqlens, meta.slots, meta.save_at,
-                                                     meta.save_rows, meta.spec_rows, i32(C), i32(K)))
+                                                  i32(T), i32(C), i32(tt), i32(update)))
+            if not update:
+                self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
+                                                        (x, sx, state, meta.cu_seqlens, meta.slots, meta.save_at,
+                                                         meta.save_rows, meta.spec_rows, i32(C), i32(K)))
         return out
 
     def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
@@ -490,7 +494,7 @@ class CudaBackend:
         return self._ungated[hd]
 
     def attention(self, q, gate, k_cache, v_cache, meta: Meta, causal=True, window=0):
-        """Decode rows: attn_fwd (CUDA cores, split-K over long contexts; each row sees the keys up to its own
+        """Decode rows: attn_fwd (tensor cores, split-K over long contexts; each row sees the keys up to its own
         position). A step with a sequence of more than one new token: the leading decodes and verifies (a
         verify's 1 + k rows are decode-sized queries) still go to attn_fwd, every later sequence to
         attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it. Not causal
