@@ -1,6 +1,8 @@
 // Causal depthwise conv1d (kernel K) + SiLU over varlen sequences, continuing from and updating each
 // slot's conv state: the last K-1 pre-conv inputs (spec §4.2). Decode is the T=1 case of the same code.
-// Two launches: conv1d_fwd reads the old state, then conv1d_state_update writes the new one.
+// A step whose sequences all have one new token (plain decode): conv1d_fwd writes the new state itself
+// (update = 1: the thread that reads a slot's channels is the only one to touch them). Otherwise two
+// launches: conv1d_fwd reads the old state, then conv1d_state_update writes the new one.
 // Kernel sizes 2..4 (Qwen3.5 uses 4) are instantiated.
 #include "common.cuh"
 
@@ -16,9 +18,9 @@
 // output sums w_j * x_j for j = 0 .. K-1 in order.
 template <int K>
 __global__ void __launch_bounds__(128) conv1d_fwd(
-    const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, const bf16_t* __restrict__ state,
+    const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, bf16_t* __restrict__ state,
     bf16_t* __restrict__ out, const int* __restrict__ tok_seq, const int* __restrict__ cu,
-    const int* __restrict__ slots, int T, int C, int TT)
+    const int* __restrict__ slots, int T, int C, int TT, int update)
 {
     pdl_enter();
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
@@ -61,16 +63,21 @@ __global__ void __launch_bounds__(128) conv1d_fwd(
 #pragma unroll
             for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
     }
+    if (update) {  // TT = 1, one token per sequence: the window slid past it is the new state (exact bf16 inputs)
+        const long long slot = slots[tok_seq[t0]];
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) *reinterpret_cast<uint4*>(state + (slot * (K - 1) + j) * C + c) = pack8(win[j]);
+    }
 }
 // Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
 // by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
 #ifndef __CUDACC_RTC__
-template __global__ void conv1d_fwd<2>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
-                                       const int*, const int*, int, int, int);
-template __global__ void conv1d_fwd<3>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
-                                       const int*, const int*, int, int, int);
-template __global__ void conv1d_fwd<4>(const bf16_t*, long long, const bf16_t*, const bf16_t*, bf16_t*, const int*,
-                                       const int*, const int*, int, int, int);
+template __global__ void conv1d_fwd<2>(const bf16_t*, long long, const bf16_t*, bf16_t*, bf16_t*, const int*,
+                                       const int*, const int*, int, int, int, int);
+template __global__ void conv1d_fwd<3>(const bf16_t*, long long, const bf16_t*, bf16_t*, bf16_t*, const int*,
+                                       const int*, const int*, int, int, int, int);
+template __global__ void conv1d_fwd<4>(const bf16_t*, long long, const bf16_t*, bf16_t*, bf16_t*, const int*,
+                                       const int*, const int*, int, int, int, int);
 #endif
 
 // New state = the last K-1 rows of concat(old state, x_seq). Each thread owns one (sequence, channel)
