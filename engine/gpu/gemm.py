@@ -2,9 +2,11 @@
 
 f32 accumulation (CUBLAS_COMPUTE_32F), bf16 inputs and output. Row-major operands are passed to the
 column-major library as their transposes: Y^T[out, T] = W[out, in] (op T on the [in, out] col-major
-view) x X^T. One algorithm is chosen by cublasLt's heuristic per (M, N, K, strides) and cached with
-its descriptors; the workspace is preallocated once, and every call runs on CuPy's current stream, so
-the GEMM can be captured into a CUDA graph.
+view) x X^T. One algorithm is chosen per (M, N, K, strides) and cached with its descriptors: cublasLt's
+heuristic's first, except for decode-sized M (TUNE_M: the decode graphs' buckets above the GEMV), where
+its TUNE_CANDIDATES best guesses are timed on the call's own operands at first use (an eager warm-up
+forward, never inside a graph capture) and the fastest kept. The workspace is preallocated once, and
+every call runs on CuPy's current stream, so the GEMM can be captured into a CUDA graph.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 << 20
+TUNE_M = (17, 256)  # M range whose algorithm is chosen by timing
+TUNE_CANDIDATES = 8
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -80,7 +84,8 @@ def _check(status: int, what: str) -> None:
 class _Plan:
     """Descriptors and the chosen algorithm for one GEMM shape."""
 
-    def __init__(self, g: "Gemm", M: int, N: int, K: int, ldx: int, ldw: int, f32_out: bool = False):
+    def __init__(self, g: "Gemm", M: int, N: int, K: int, ldx: int, ldw: int, f32_out: bool = False,
+                 n_algos: int = 1):
         lib, vp = g.lib, ctypes.c_void_p
         self.desc, self.a, self.b, self.c = vp(), vp(), vp(), vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.addressof(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate")
@@ -98,14 +103,18 @@ class _Plan:
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.addressof(ws), 8),
                "set max workspace")
-        res, n = _HeuristicResult(), ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(g.handle, self.desc, self.a, self.b, self.c, self.c, pref, 1,
+        res, n = (_HeuristicResult * n_algos)(), ctypes.c_int(0)
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(g.handle, self.desc, self.a, self.b, self.c, self.c, pref, n_algos,
                                                   ctypes.addressof(res), ctypes.addressof(n)), "AlgoGetHeuristic")
         lib.cublasLtMatmulPreferenceDestroy(pref)
-        if n.value < 1:
+        self.candidates = [r for r in res[:n.value] if r.state == 0]
+        if not self.candidates:
             raise RuntimeError(f"cublasLt found no algorithm for bf16 GEMM M={M} N={N} K={K}")
-        self.algo = res.algo
-        self.ws_size = res.workspaceSize
+        self.choose(0)
+
+    def choose(self, i: int) -> None:
+        self.algo = self.candidates[i].algo
+        self.ws_size = self.candidates[i].workspaceSize
 
 
 def _declare(lib) -> None:
@@ -157,13 +166,37 @@ class Gemm:
         key = (M, N, K, ldx, K, f32_out)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[key] = _Plan(self, M, N, K, ldx, K, f32_out)
-        stream = cupy.cuda.get_current_stream().ptr
+            stream = cupy.cuda.get_current_stream()
+            tune = TUNE_M[0] <= M <= TUNE_M[1] and not stream.is_capturing()
+            plan = _Plan(self, M, N, K, ldx, K, f32_out, TUNE_CANDIDATES if tune else 1)
+            if tune and len(plan.candidates) > 1:
+                self._tune(plan, x, w, out, stream)
+            self.plans[key] = plan
+        self._run(plan, x, w, out, cupy.cuda.get_current_stream().ptr)
+        return out
+
+    def _run(self, plan: _Plan, x, w, out, stream: int) -> None:
         _check(self.lib.cublasLtMatmul(
             self.handle, plan.desc, ctypes.addressof(self.alpha), w.data.ptr, plan.a, x.data.ptr, plan.b,
             ctypes.addressof(self.beta), out.data.ptr, plan.c, out.data.ptr, plan.c, ctypes.addressof(plan.algo),
             self.workspace.data.ptr, plan.ws_size, stream), "Matmul")
-        return out
+
+    def _tune(self, plan: _Plan, x, w, out, stream, reps: int = 5) -> None:
+        """Keep the plan's fastest candidate: each timed over `reps` back-to-back calls (after one warm call)
+        between two events; the candidates take turns twice, the better time counts."""
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        best = [float("inf")] * len(plan.candidates)
+        for _ in range(2):
+            for i in range(len(plan.candidates)):
+                plan.choose(i)
+                self._run(plan, x, w, out, stream.ptr)
+                start.record(stream)
+                for _ in range(reps):
+                    self._run(plan, x, w, out, stream.ptr)
+                end.record(stream)
+                end.synchronize()
+                best[i] = min(best[i], cupy.cuda.get_elapsed_time(start, end))
+        plan.choose(min(range(len(best)), key=best.__getitem__))
 
 
 _GEMM: Gemm | None = None
