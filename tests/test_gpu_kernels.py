@@ -188,7 +188,7 @@ def test_gated_rms_norm(be, ref, T, nv, dv):
     assert rel(be.to_host(got), want) <= BF16_TOL
 
 
-ATTN_DIMS = [(4, 2, 64), (6, 2, 64), (16, 4, 256), (24, 4, 256)]
+ATTN_DIMS = [(4, 2, 64), (6, 2, 64), (16, 4, 256), (24, 4, 256), (8, 1, 128), (4, 4, 128)]
 
 
 def _attn_setup(rng, lens, bases, nh, nkv, hd, bs=16, nb=96):
@@ -203,7 +203,7 @@ def _attn_setup(rng, lens, bases, nh, nkv, hd, bs=16, nb=96):
 
 
 @pytest.mark.parametrize("lens,bases", MIXED, ids=MIXED_IDS)
-@pytest.mark.parametrize("nh,nkv,hd", ATTN_DIMS, ids=["tiny", "tiny3", "4b", "27b"])
+@pytest.mark.parametrize("nh,nkv,hd", ATTN_DIMS, ids=["tiny", "tiny3", "4b", "27b", "g8", "g1"])  # G 1..8: the heads of attn_fwd's n-tile
 def test_attn_prep_and_attention(be, ref, lens, bases, nh, nkv, hd):
     rng = np.random.default_rng(sum(lens) + nh + hd)
     step, T, proj, kc, vc, qn, kn = _attn_setup(rng, lens, bases, nh, nkv, hd)
