@@ -165,14 +165,14 @@ class Gemm:
             return out
         key = (M, N, K, ldx, K, f32_out)
         plan = self.plans.get(key)
+        stream = cupy.cuda.get_current_stream()
         if plan is None:
-            stream = cupy.cuda.get_current_stream()
             tune = TUNE_M[0] <= M <= TUNE_M[1] and not stream.is_capturing()
             plan = _Plan(self, M, N, K, ldx, K, f32_out, TUNE_CANDIDATES if tune else 1)
             if tune and len(plan.candidates) > 1:
                 self._tune(plan, x, w, out, stream)
             self.plans[key] = plan
-        self._run(plan, x, w, out, cupy.cuda.get_current_stream().ptr)
+        self._run(plan, x, w, out, stream.ptr)
         return out
 
     def _run(self, plan: _Plan, x, w, out, stream: int) -> None:
