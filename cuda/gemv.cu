@@ -52,15 +52,22 @@
 
 // W loads skip L1 (W is read once; x stays cached). PF = 1 adds the .L2::256B prefetch-size hint: it
 // pays off for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration, and costs
-// on the 16-warp plans of N = 2560 (the sweep: docs/benchmarks/NOTES.md).
-template <int PF>
+// on the 16-warp plans of N = 2560 (the sweep: docs/benchmarks/NOTES.md). NC = 0 (the batch issued before
+// the PDL wait) drops .nc: ptxas moves the wait above .nc loads, not above coherent ones.
+template <int PF, int NC = 1>
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16_t* p) {
     uint4 r;
-    if (PF)
+    if (PF && NC)
         asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    else
+    else if (NC)
         asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    else if (PF)
+        asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    else
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
@@ -87,7 +94,6 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     void* __restrict__ y,                         // [M, N] contiguous, bf16 or f32
     int M, int N, int K)
 {
-    pdl_enter();
     constexpr int ROWS = 16 * R, COLS = 8 * MT;
     extern __shared__ float red[];  // [NW][COLS][ROWS]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -126,20 +132,26 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.0f;
 
-    // U steps of loads in flight, then their mmas in k order
+    // U steps of loads in flight, then their mmas in k order. The first batch's W is loaded before
+    // waiting for the kernel before this one (PDL, common.cuh): no kernel writes W, only x, so the first
+    // DRAM round trip of a GEMV overlaps its predecessor's tail (that batch peeled off the loop).
     const unsigned zero = (unsigned)K >> 31;  // 0 (K > 0), opaque to the compiler
-    for (; s + U <= s1; s += U) {
-        uint4 a[U][R][2], b[U][MT];
+    uint4 a[U][R][2];
+    auto load_w = [&](bool early) {  // (a constant at each call: the branch folds)
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                a[u][r][0] = gemv_ld_w<PF>(wp[r][0] + 32 * u);
-                a[u][r][1] = gemv_ld_w<PF>(wp[r][1] + 32 * u);
+                a[u][r][0] = early ? gemv_ld_w<PF, 0>(wp[r][0] + 32 * u) : gemv_ld_w<PF>(wp[r][0] + 32 * u);
+                a[u][r][1] = early ? gemv_ld_w<PF, 0>(wp[r][1] + 32 * u) : gemv_ld_w<PF>(wp[r][1] + 32 * u);
             }
+    };
+    auto x_and_mma = [&]() {  // the batch's x, then its mmas; steps s .. s + U - 1 done
+        uint4 b[U][MT];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int t = 0; t < MT; ++t) b[u][t] = gemv_ld_x(xp[t] + 32 * u);
-        }
         // ptxas otherwise sinks each step's loads down to its mmas (one step in flight, not U): make the
         // first mma depend on one word of every load, through a zero the compiler cannot see.
         unsigned dep = 0u;
@@ -161,6 +173,15 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         for (int r = 0; r < R; ++r) { wp[r][0] += 32 * U; wp[r][1] += 32 * U; }
 #pragma unroll
         for (int t = 0; t < MT; ++t) xp[t] += 32 * U;
+        s += U;
+    };
+    const bool first = MT <= 4 && s + U <= s1;  // (MT = 8, the invariant mode's 64 rows, would spill)
+    if (first) load_w(true);
+    pdl_enter();
+    if (first) x_and_mma();
+    while (s + U <= s1) {
+        load_w(false);
+        x_and_mma();
     }
     // the rest of the slice one step at a time, then (last warp) a partial step when K % 32 != 0
     const bool tail = warp == nw - 1 && (K & 31);

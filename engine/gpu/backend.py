@@ -533,15 +533,16 @@ class CudaBackend:
         if self.batch_invariant:  # splits at fixed key offsets (an empty split changes nothing in attn_combine)
             chunk = INVARIANT_SPLIT_KEYS
             nsplit = -(-meta.max_ctx // chunk)
-        else:  # as many splits as fill the GPU twice; each token's keys spread evenly over them (chunk 0)
-            # counted per sequence when the rows are the decodes' and verifies': a verify's rows then split as
+        else:  # as many splits as the GPU holds at once (one full wave: 320 blocks over 264 slots ran the
+            # b16 step's attention at 57% of copy); each token's keys spread evenly over them (chunk 0).
+            # Counted per sequence when the rows are the decodes' and verifies': a verify's rows then split as
             # the decode of the same position in a step of as many sequences would (the same sums: greedy
             # speculation follows plain decoding's numerics there)
             lead = int(meta.step.cu_seqlens[meta.n_rec])
             base = (meta.n_rec if n_dec == lead else n_dec) * nkv
-            target, nsplit, chunk = 2 * self.num_sms, 1, 0
-            if base < target:
-                nsplit = max(1, min(-(-target // base), -(-meta.max_ctx // ATTN_MIN_SPLIT_KEYS)))
+            slots = self.num_sms * self.kernels.resident("attention.cu", f"attn_fwd<{hd}, {G}>", 128)
+            nsplit = max(1, min(slots // base, -(-meta.max_ctx // ATTN_MIN_SPLIT_KEYS)))
+            chunk = 0
         if nsplit > 1:
             part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)

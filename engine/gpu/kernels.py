@@ -231,3 +231,9 @@ class Kernels:
             e[1] = smem
         return e[2]
 
+    @functools.lru_cache(maxsize=None)
+    def resident(self, file: str, name: str, threads: int) -> int:
+        """How many blocks of `threads` threads (no dynamic shared memory) of kernel `name` one SM holds."""
+        import cupy
+        return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn(file, name).ptr, threads, 0)
+
