@@ -194,7 +194,8 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, u
     lo = pack_bf16x2(x0 - lo_bf(hi), x1 - hi_bf(hi));
 }
 
-// Shared memory: the chunk's raw q and k rows (bf16, by cp.async; zero past the end) and A. K K^T and
+// Shared memory: the chunk's raw q, k and v rows (bf16, by cp.async; zero past the end) and A, then X
+// over them (the launcher sizes it for both: 1280 + max(64 (2 RQ + RV + 4 AS), 256 (DK + dv)) bytes). K K^T and
 // Q K^T run on tensor cores (mma.sync m16n8k16) over the raw rows: bf16 products are exact in the f32
 // accumulators, and the L2 norms, 1/sqrt(dk), beta and decays are diagonal scalings applied afterwards.
 // The triangular solve gives each thread one column of X = [W | U] in registers, so it needs no
@@ -210,13 +211,17 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     extern __shared__ __align__(16) char smem_c[];
     constexpr int RQ = (DK + 8) * 2;            // raw row bytes, padded: ldmatrix phases are conflict-free
     constexpr int AS = GDN_C + 4;               // A row: float4 reads
-    char* sQr = smem_c;                         // [64][RQ] raw q
-    char* sKr = sQr + GDN_C * RQ;               // [64][RQ] raw k
-    float* sA = reinterpret_cast<float*>(sKr + GDN_C * RQ);  // [64][AS]
-    float* s_gam = sA + GDN_C * AS;             // [64] gate cumsum
+    const int RV = (dv + 8) * 2;
+    float* s_gam = reinterpret_cast<float*>(smem_c);  // [64] gate cumsum
     float* s_beta = s_gam + GDN_C;              // [64]
     float* s_rq = s_beta + GDN_C;               // [64] q's 1 / (|q| sqrt(dk))
     float* s_rk = s_rq + GDN_C;                 // [64] k's 1 / |k|
+    float* s_cw = s_rk + GDN_C;                 // [64] W's right-hand side scale: beta e^gam / |k|
+    char* sQr = reinterpret_cast<char*>(s_cw + GDN_C);  // [64][RQ] raw q
+    char* sKr = sQr + GDN_C * RQ;               // [64][RQ] raw k
+    char* sVr = sKr + GDN_C * RQ;               // [64][RV] raw v
+    float* sA = reinterpret_cast<float*>(sVr + GDN_C * RV);  // [64][AS]
+    float* sX = reinterpret_cast<float*>(sQr);  // [64][DK + dv] X = [W | U] after the solve, over the above
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, seq = blockIdx.z;
@@ -231,6 +236,12 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
         const bf16_t* row = qkv + (long long)(t0 + i) * sq + hk * DK + c;
         cp_async16(smem_addr(sQr + i * RQ + c * 2), ok ? row : qkv, ok ? 16 : 0);
         cp_async16(smem_addr(sKr + i * RQ + c * 2), ok ? row + nk * DK : qkv, ok ? 16 : 0);
+    }
+    for (int idx = tid; idx < GDN_C * dv / 8; idx += 256) {
+        const int i = idx / (dv / 8), c = (idx - i * (dv / 8)) * 8;
+        const bool ok = i < L;
+        const bf16_t* row = qkv + (long long)(t0 + i) * sq + 2 * nk * DK + h * dv + c;
+        cp_async16(smem_addr(sVr + i * RV + c * 2), ok ? row : qkv, ok ? 16 : 0);
     }
     cp_async_commit();
     if (tid < GDN_C) {
@@ -272,6 +283,10 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
         }
     }
     __syncthreads();
+    if (tid < GDN_C) {  // (read after the barrier below, "sA complete")
+        s_cw[tid] = s_beta[tid] * expf(s_gam[tid]) * s_rk[tid];
+        if (tid < L) aux[((long long)(t0 + tid) * nv + h) * 4] = s_gam[tid];
+    }
 
     {   // K K^T and Q K^T: warp w takes rows 16 (w % 4).. and columns 32 (w / 4).. (4 n8 tiles)
         const int mb = (warp & 3) * 16, nb = (warp >> 2) * 32;
@@ -333,17 +348,20 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
         split_bf16x2(lo_bf(q2) * eq, hi_bf(q2) * eq, qd[0], qd[DK / 2]);
         split_bf16x2(lo_bf(k2) * ek, hi_bf(k2) * ek, kd[0], kd[DK / 2]);
     }
-    __syncthreads();                            // sA complete
+    __syncthreads();                            // sA, s_cw complete
     // (I + A) X = R by forward substitution, one column of X = [W | U] per thread, held in registers:
-    // R = [beta e^gam k | beta v] (k normed); rows past the end are zero and stay zero.
-    for (int c = tid; c < DK + dv; c += 256) {
+    // R = [beta e^gam k | beta v] (k normed; both rows from shared memory, zeros past the end, where beta
+    // is 0 too): rows past the end are zero and stay zero. The two kinds of column run the same code (a
+    // branch on the kind made ptxas keep two copies of the unrolled solve: the instruction cache missed).
+    {   // DK + dv <= 256 (the launcher checks): one column per thread
+        const int c = tid;
+        const bool wcol = c < DK;
+        const float* coef = wcol ? s_cw : s_beta;
+        const char* col = wcol ? sKr + 2 * c : sVr + 2 * min(c - DK, dv - 1);  // (threads past DK + dv: unused)
+        const int rs = wcol ? RQ : RV;
         float x[GDN_C];
 #pragma unroll
-        for (int i = 0; i < GDN_C; ++i) {
-            const bf16_t* kr = reinterpret_cast<const bf16_t*>(sKr + i * RQ);
-            x[i] = c < DK ? s_beta[i] * expf(s_gam[i]) * s_rk[i] * bf2f(kr[c])
-                          : (i < L ? s_beta[i] * bf2f(qkv[(long long)(t0 + i) * sq + 2 * nk * DK + h * dv + c - DK]) : 0.0f);
-        }
+        for (int i = 0; i < GDN_C; ++i) x[i] = coef[i] * bf2f(*reinterpret_cast<const bf16_t*>(col + i * rs));
 #pragma unroll
         for (int i = 1; i < GDN_C; ++i) {
             float s4[4] = {};                   // four chains: the row's dependent-FMA latency / 4
@@ -356,25 +374,29 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
             for (int j = i & ~3; j < i; ++j) s4[j & 3] += sA[i * AS + j] * x[j];
             x[i] -= (s4[0] + s4[1]) + (s4[2] + s4[3]);
         }
-        if (c < DK) {                           // W: bf16 hi, lo
-            bf16_t* dst = W + (long long)h * 2 * DK + c;
-            const long long ld = (long long)nv * 2 * DK;
+        // X to shared memory (over the raw rows and A, which every thread has read), then out in rows
+        const int n = DK + dv;
+        __syncthreads();
+        if (c < n) {
 #pragma unroll
-            for (int i = 0; i < GDN_C; ++i)
-                if (i < L) {
-                    const bf16_t hi = f2bf(x[i]);
-                    dst[(t0 + i) * ld] = hi;
-                    dst[(t0 + i) * ld + DK] = f2bf(x[i] - bf2f(hi));
-                }
-        } else {
-            float* dst = U + (long long)h * dv + c - DK;
-            const long long ld = (long long)nv * dv;
-#pragma unroll
-            for (int i = 0; i < GDN_C; ++i)
-                if (i < L) dst[(t0 + i) * ld] = x[i];
+            for (int i = 0; i < GDN_C; ++i) sX[i * n + c] = x[i];
+        }
+        __syncthreads();
+        for (int idx = tid; idx < L * n / 4; idx += 256) {
+            const int i = idx / (n / 4), cc = 4 * (idx - i * (n / 4));
+            const float4 v = *reinterpret_cast<const float4*>(sX + i * n + cc);
+            if (cc < DK) {                      // W: bf16 hi, lo
+                uint2 hi, lo;
+                split_bf16x2(v.x, v.y, hi.x, lo.x);
+                split_bf16x2(v.z, v.w, hi.y, lo.y);
+                bf16_t* dst = W + ((long long)(t0 + i) * nv + h) * 2 * DK + cc;
+                *reinterpret_cast<uint2*>(dst) = hi;
+                *reinterpret_cast<uint2*>(dst + DK) = lo;
+            } else {
+                *reinterpret_cast<float4*>(U + ((long long)(t0 + i) * nv + h) * dv + cc - DK) = v;
+            }
         }
     }
-    if (tid < L) aux[((long long)(t0 + tid) * nv + h) * 4] = s_gam[tid];
 }
 
 // ---- gdn_chunk_state: the four products on tensor cores (mma.sync m16n8k16 bf16x3) -----------------

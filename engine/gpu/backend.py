@@ -432,9 +432,12 @@ class CudaBackend:
         P = self._empty((T, nv, 2 * C))
         aux = self._empty((T, nv, 4), cupy.float32)
         n_chunks = -(-meta.max_new // C)
-        # prep copies q and k rows in 16-byte pieces
-        assert _rs(qkv) % 8 == 0 and qkv.data.ptr % 16 == 0, "gdn_chunk_prep: q/k rows not 16-byte aligned"
-        smem = 2 * C * (dk + 8) * 2 + 4 * (C * (C + 4) + 4 * C)  # the padded rows of gdn.cu
+        # prep copies q, k and v rows in 16-byte pieces; one thread per column of [W | U]
+        assert _rs(qkv) % 8 == 0 and qkv.data.ptr % 16 == 0 and dv % 8 == 0, \
+            "gdn_chunk_prep: q/k/v rows not 16-byte aligned"
+        assert dk + dv <= 256, "gdn_chunk_prep: one thread per column of [W | U]"
+        # the per-row scalars, then the padded raw q, k, v rows and A, or X over them (gdn.cu)
+        smem = 4 * 5 * C + max(C * (2 * (dk + 8) * 2 + (dv + 8) * 2 + 4 * (C + 4)), 4 * C * (dk + dv))
         self._fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
               i32(nk), i32(nv), i32(dv)), shared_mem=smem)
