@@ -31,6 +31,16 @@ def ref():
     return NumpyBackend()
 
 
+def test_shared_memory_opt_in_outlives_a_second_backend(be):
+    """CuPy loads a cubin once per process and shares it between backends: a second backend's smaller
+    opt-in must not lower the dynamic shared memory limit the first one launches up to (it made
+    gdn_chunk_prep, whose shared memory depends on dv, fail with an invalid argument in the suite)."""
+    name = ("gdn.cu", "gdn_chunk_prep<32>")
+    be.kernels.fn(*name, 60000)
+    CudaBackend().kernels.fn(*name, 50000)
+    assert be.kernels.fn(*name, 60000).fn.max_dynamic_shared_size_bytes >= 60000
+
+
 def make_step(rng, lens, bases, num_blocks, bs, num_slots=8):
     """Sequences with new-token counts `lens` resuming at `bases`; random non-contiguous pages and slots."""
     pages = rng.permutation(np.arange(1, num_blocks))

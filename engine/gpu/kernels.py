@@ -172,6 +172,12 @@ def build(file: str, instance: str | None, arch: str, dirs: list[Path]) -> tuple
 
 
 # ---- the process's kernels ----------------------------------------------------------------------
+# CUfunction -> the dynamic shared bytes it is opted in to. Per process, not per Kernels: CuPy loads a
+# cubin path once per device and shares that module between RawModules, so two backends in one process
+# (tests) share their functions, and one must not lower the limit the other launches up to.
+_opted_in: dict[int, int] = {}
+
+
 class Kernels:
     """Loaded kernel functions, by (file, kernel name). `prefetch()` compiles or loads programs in the
     background; `fn()` waits for the program it needs (or builds it then: a launch the plan did not
@@ -227,7 +233,9 @@ class Kernels:
             f = mod.get_function(lowered or name)
             e = self._fns[(file, name)] = [f, 0, Kernel(f)]
         if smem > e[1]:
-            e[0].max_dynamic_shared_size_bytes = smem
+            if smem > _opted_in.get(e[2].ptr, 0):
+                e[0].max_dynamic_shared_size_bytes = smem
+                _opted_in[e[2].ptr] = smem
             e[1] = smem
         return e[2]
 
