@@ -189,7 +189,8 @@ class Kernels:
         self.dirs = [primary, Path(tempfile.gettempdir()) / f"qwen35-kernels-{os.getuid()}"]
         self._pool = ThreadPoolExecutor(workers or min(32, os.cpu_count() or 4), thread_name_prefix="nvrtc")
         self._jobs: dict[tuple[str, str | None], Future] = {}
-        self._fns: dict[tuple[str, str], list] = {}   # -> [function, dynamic shared bytes opted in to, launcher]
+        self._fns: dict[tuple[str, str], object] = {}  # -> its launch.Kernel
+        self._resident: dict[tuple[str, str, int], int] = {}  # resident() answers
         self._modules: dict[tuple[str, str | None], tuple] = {}
         self._lock = threading.Lock()
 
@@ -226,22 +227,22 @@ class Kernels:
         """Kernel `name` (an instance like `attn_fwd<256, 4>` or an extern "C" name) of cuda/`file`;
         `smem`: the dynamic shared memory it will be launched with, opted in to (above the 48 KiB
         default) the first time a launch needs that much."""
-        e = self._fns.get((file, name))
-        if e is None:
+        k = self._fns.get((file, name))
+        if k is None:
             mod, lowered = self._module(file, name if "<" in name else None)
             from .launch import Kernel  # CuPy: imported once a GPU is in use (tools/build_kernels.py needs none)
-            f = mod.get_function(lowered or name)
-            e = self._fns[(file, name)] = [f, 0, Kernel(f)]
-        if smem > e[1]:
-            if smem > _opted_in.get(e[2].ptr, 0):
-                e[0].max_dynamic_shared_size_bytes = smem
-                _opted_in[e[2].ptr] = smem
-            e[1] = smem
-        return e[2]
+            k = self._fns[(file, name)] = Kernel(mod.get_function(lowered or name))
+        if smem > _opted_in.get(k.ptr, 0):
+            k.fn.max_dynamic_shared_size_bytes = smem
+            _opted_in[k.ptr] = smem
+        return k
 
-    @functools.lru_cache(maxsize=None)
     def resident(self, file: str, name: str, threads: int) -> int:
         """How many blocks of `threads` threads (no dynamic shared memory) of kernel `name` one SM holds."""
-        import cupy
-        return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn(file, name).ptr, threads, 0)
+        n = self._resident.get((file, name, threads))
+        if n is None:
+            import cupy
+            n = self._resident[(file, name, threads)] = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.fn(file, name).ptr, threads, 0)
+        return n
 
