@@ -1,67 +1,89 @@
-// Prefill / chunked-prefill attention on the tensor cores (spec §5), flash-attention-2 style.
+// Prefill / chunked-prefill attention on Hopper's warpgroup tensor cores (spec §5), flash-attention style.
 //
 // attn_prefill<HD>: causal paged GQA attention of each sequence's new tokens (positions base..base+n-1)
 // over its paged KV cache (keys 0..own position; the new tokens' K/V are already in the cache), then
 // softmax(q k^T / sqrt(HD)) v * sigmoid(gate) written bf16 [T, nh*HD].
 //
-// Layout: one CTA (8 warps) per (64-row tile, kv head). The rows of a kv head's work in one sequence are
-// its (token, q head) pairs flattened token-major: row r = tok * G + g (q heads kvh*G + g, adjacent in
+// Layout: one CTA (2 warpgroups) per (128-row tile, kv head). The rows of a kv head's work in one sequence
+// are its (token, q head) pairs flattened token-major: row r = tok * G + g (q heads kvh*G + g, adjacent in
 // q [T, nh, HD]). Why: the G q heads that share a kv head read each K/V block from shared memory once,
-// and a tile is 64 useful rows whatever G is (4 or 6: no per-head padding); a short sequence wastes at
+// and a tile is 128 useful rows whatever G is (4 or 6: no per-head padding); a short sequence wastes at
 // most one partial tile. Tiles never straddle sequences; the host lists them (seq, first row), most keys
-// first. The CTA's two 4-warp groups split the tile's key blocks (even / odd), each with its own K/V
-// buffers and named barrier, and merge (O, m, l) through shared memory at the end: the causal tail (the
-// last tile of a sequence has the most keys) finishes twice as fast as with one group per tile.
-// Each warp owns 16 rows and the full HD-wide output (HD/8 m16n8 accumulators: 128 f32 registers at
-// HD 256); Q stays in shared memory (ldmatrix per k-step) to leave room for that.
-// Per 64-key block: S = Q K^T (mma.sync m16n8k16 bf16 -> f32; K row-major [key][dim] is the "col" B
-// operand directly), causal/prefix mask (key <= base + tok of the row), online softmax in f32 with
-// exp2 of log2e-prescaled scores, P rounded to bf16 and fed from registers as the A operand of
-// O += P V (V [key][dim] through ldmatrix .trans). K and V blocks arrive by cp.async (zero-filled past
-// the tile's last key), single-buffered per group: V(j) loads under S(j) and the softmax, K(j+2) under
-// P V(j). Shared memory rows are HD*2 bytes with 16-byte chunks XOR-swizzled by (row & 7), so every
-// ldmatrix phase and every cp.async row write is bank-conflict free. 160 KB of shared memory at HD 256
-// (one CTA per SM). The epilogue stages O / l in f32 through shared memory for 16-byte coalesced
-// gate reads and output stores.
+// first. Each warpgroup owns 64 rows; both read the same K/V blocks (one load from L2 per 128 rows).
+//
+// Why wgmma (sm_90a) and not mma.sync: mma.sync takes every B fragment through ldmatrix per 16-row warp
+// tile, 256 bytes of shared memory per m16n8k16, the SM's whole shared-memory bandwidth at the tensor
+// cores' rate (that kernel ran at 80-155 TFLOP/s on an H100); wgmma reads B once per 64 rows.
+// Per 64-key block, per warpgroup: S = Q K^T (HD/16 wgmma m64n64k16, Q and K from shared memory, both
+// K-major), causal/prefix mask (key <= base + tok of the row), online softmax in f32 with exp2 of
+// log2e-prescaled scores, P rounded to bf16 and fed from registers (the S accumulator layout is the A
+// fragment layout) to O += P V (HD/64 wgmma m64n64k16 per 16 keys, V from shared memory MN-major).
+// S of block kb and P V of block kb-1 are issued together, so the softmax runs under the tensor cores.
+// Shared memory operands use the canonical 128-byte swizzle: a tile of rows x HD is stored as HD/64
+// column blocks of [rows][128 bytes], 16-byte chunk c of row r at chunk c ^ (r & 7), atoms 1024-byte
+// aligned. K/V blocks arrive by cp.async (zero-filled past the tile's last key), two stages each.
+// The kernel is bound by instruction issue (2 warps per scheduler), hence the cheap address math: fixed
+// per-thread copy columns, descriptors advanced by an add, O's rescale skipped when no row max moved.
+// 192 KB of shared memory at HD 256 (one CTA per SM). The epilogue stages O / l in f32 through shared
+// memory for 16-byte coalesced gate reads and output stores.
 #include "common.cuh"
 
-#define PF_ROWS 64  // query rows (token, head pairs) per CTA: 4 warps x 16 (in each key group)
-#define PF_KEYS 64  // keys per block
+#define PF_ROWS 128  // query rows (token, head pairs) per CTA: 2 warpgroups x 64
+#define PF_KEYS 64   // keys per block
 
-// Issue the cp.async copies of key block kb (64 keys x HD) of one cache (K or V) into dst; gtid: the
-// thread's index in its 128-thread group.
-template <int HD>
-__device__ __forceinline__ void pf_load_kv(const bf16_t* __restrict__ cache, unsigned dst, int kb, int n_keys,
-                                           const int* __restrict__ table, int bs_shift, int nkv, int kvh,
-                                           int gtid) {
-    constexpr int CPR = HD / 8;  // 16-byte chunks per row
-    const int bs_mask = (1 << bs_shift) - 1;
-#pragma unroll 4
-    for (int it = 0; it < PF_KEYS * CPR / 128; ++it) {
-        const int idx = gtid + it * 128;
-        const int row = idx / CPR, c = idx % CPR;
-        const int j = kb * PF_KEYS + row;
-        const bf16_t* src = cache;
-        int bytes = 0;
-        if (j < n_keys) {
-            const long long page = table[j >> bs_shift];
-            src = cache + ((((page << bs_shift) + (j & bs_mask)) * nkv + kvh) * HD + c * 8);
-            bytes = 16;
-        }
-        cp_async16(dst + row * (HD * 2) + ((c ^ (row & 7)) << 4), src, bytes);
+// ---- wgmma (sm_90a) ----------------------------------------------------------------------------------
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading / stride byte offsets (>> 4).
+// Kept as two halves: the matrix `off` bytes further is {lo + off / 16, hi} (the 14-bit address field never
+// carries, shared addresses being < 2^18), so each wgmma's descriptor costs one add, not a rebuild.
+struct WgDesc {
+    unsigned lo, hi;
+    __device__ __forceinline__ WgDesc(unsigned addr, unsigned lbo, unsigned sbo)
+        : lo(((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16)), hi((sbo >> 4) | (1u << 30)) {}
+    __device__ __forceinline__ unsigned long long at(unsigned off) const {
+        unsigned long long d;
+        asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (off >> 4)), "r"(hi));
+        return d;
     }
+};
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma
+__device__ __forceinline__ void wg_hold(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// barrier of one 128-thread key group (ids 1, 2; 0 is __syncthreads)
-__device__ __forceinline__ void pf_group_sync(int grp) {
-    if (grp) asm volatile("bar.sync 2, 128;\n" ::: "memory");
-    else asm volatile("bar.sync 1, 128;\n" ::: "memory");
+#define WG_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_ACC32(d)                                                                                         \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),          \
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),          \
+        "+f"(d[30]), "+f"(d[31])
+
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory; acc = 0 overwrites d
+__device__ __forceinline__ void wg_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : WG_ACC32(d)
+                 : "l"(da), "l"(db), "r"(acc));
+}
+// d[64 x 64] += A[64 x 16] B[16 x 64], A in registers (mma.sync's m16n8k16 A fragment per warp), B MN-major
+__device__ __forceinline__ void wg_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : WG_ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// grid (nkv, ntiles), 256 threads, dynamic smem 5 * 64 * HD * 2 bytes (Q, then K and V of each key group).
-// q [T, nh, HD] contiguous; gate [T, nh, HD] with strides (sg_t, sg_h, 1); kc/vc [blocks, 1 << bs_shift, nkv, HD];
-// block_tables [B, bt_stride]; tiles [ntiles, 4] int32: (sequence b, first flat row r0, first token t0, n new
-// tokens); positions[t0] is the sequence's base. out [T, nh * HD].
+// grid (nkv, ntiles), 256 threads, dynamic smem PF_ROWS * HD * 2 (Q) + 2 stages x 2 x PF_KEYS * HD * 2 (K, V)
+// + 1024 (alignment). q [T, nh, HD] contiguous; gate [T, nh, HD] with strides (sg_t, sg_h, 1);
+// kc/vc [blocks, 1 << bs_shift, nkv, HD]; block_tables [B, bt_stride]; tiles [ntiles, 4] int32: (sequence b,
+// first flat row r0, first token t0, n new tokens); positions[t0] is the sequence's base. out [T, nh * HD].
 template <int HD>
 __global__ void __launch_bounds__(256, 1) attn_prefill(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
@@ -70,16 +92,18 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     float scale_log2, bf16_t* __restrict__ out)
 {
     pdl_enter();
-    constexpr int CPR = HD / 8;   // 16-byte chunks per smem row
-    constexpr int RB = HD * 2;    // bytes per smem row
-    constexpr int KS = HD / 16;   // k-steps of Q K^T
-    constexpr int ND = HD / 8;    // n8 tiles of the output
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int CPR = HD / 8;         // 16-byte chunks per row
+    constexpr int KS = HD / 16;         // k-steps of Q K^T
+    constexpr int NB = HD / 64;         // 64-wide column blocks (of the operands and of O)
+    constexpr int WQ = 64 * HD * 2;     // bytes of one warpgroup's Q
+    constexpr int KVB = PF_KEYS * HD * 2;  // bytes of one K or V block
     extern __shared__ __align__(16) unsigned char pf_smem[];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int grp = warp >> 2, wq = warp & 3, gtid = tid & 127;  // key group; the warp's 16-row slice
-    const unsigned sQ = smem_addr(pf_smem);
-    const unsigned sK = sQ + PF_ROWS * RB + grp * 2 * PF_KEYS * RB, sV = sK + PF_KEYS * RB;
+    const int wg = warp >> 2, w4 = warp & 3;  // warpgroup; the warp's 16-row slice of it
+    const unsigned s0 = (smem_addr(pf_smem) + 1023) & ~1023u;  // swizzle atoms are 1024-byte aligned
+    const unsigned sQ = s0, sKV = s0 + 2 * WQ;                 // Q of both warpgroups, then the K/V stages
 
     const int kvh = blockIdx.x;
     const int4 tl = reinterpret_cast<const int4*>(tiles)[blockIdx.y];
@@ -93,11 +117,11 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     const int nblocks = (n_keys + PF_KEYS - 1) / PF_KEYS;
     const int* table = block_tables + (long long)b * bt_stride;
 
-    // ---- Q tile (rows past the sequence's end are zero), each group's first K block
-#pragma unroll
+    // ---- Q tile (rows past the sequence's end are zero) and the first K block
+#pragma unroll 4
     for (int it = 0; it < PF_ROWS * CPR / 256; ++it) {
         const int idx = tid + it * 256;
-        const int row = idx / CPR, c = idx % CPR;
+        const int row = idx / CPR, c = idx % CPR, lr = row & 63;
         const int fr = r0 + row;
         const bf16_t* src = q;
         int bytes = 0;
@@ -106,166 +130,178 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
             src = q + (((long long)(t0 + tok) * nh + kvh * G + g) * HD + c * 8);
             bytes = 16;
         }
-        cp_async16(sQ + row * RB + ((c ^ (row & 7)) << 4), src, bytes);
+        cp_async16(sQ + (row >> 6) * WQ + (c >> 3) * (64 * 128) + lr * 128 + (((c & 7) ^ (lr & 7)) << 4), src,
+                   bytes);
     }
-    if (grp < nblocks) pf_load_kv<HD>(kc, sK, grp, n_keys, table, bs_shift, nkv, kvh, gtid);
+    // K/V block copies: a warp copies 32 / CPR whole key rows per instruction (16 bytes a lane), so a
+    // thread's column chunk, and with it its swizzled offset in a row, stays fixed
+    constexpr int RPW = 32 / CPR;  // key rows per warp instruction
+    const int lrow = warp * RPW + lane / CPR, lc = lane % CPR;  // the thread's first row; its chunk
+    const unsigned ldst = (lc >> 3) * (PF_KEYS * 128) + lrow * 128 + (((lc & 7) ^ (lrow & 7)) << 4);
+    const int bs_mask = (1 << bs_shift) - 1;
+    const long long slot_stride = (long long)nkv * HD;  // elements from one cache slot to the next
+    const bf16_t* kbase = kc + kvh * HD + lc * 8;
+    const bf16_t* vbase = vc + kvh * HD + lc * 8;
+    auto copy_block = [&](const bf16_t* cache, unsigned dst, int kb) {  // zero-filled past n_keys
+#pragma unroll
+        for (int it = 0; it < PF_KEYS / (8 * RPW); ++it) {
+            const int j = kb * PF_KEYS + lrow + it * 8 * RPW;
+            const bool ok = j < n_keys;
+            const int page = ok ? table[j >> bs_shift] : 0;
+            cp_async16(dst + ldst + it * 8 * RPW * 128, cache + ((page << bs_shift) + (j & bs_mask)) * slot_stride,
+                       ok ? 16 : 0);
+        }
+    };
+    copy_block(kbase, sKV, 0);
     cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();  // Q (written by both groups) visible to all
 
-    // ---- per-thread constants
     // mma C fragment rows of this thread: g8 and g8 + 8 of the warp's 16; columns 2 * (lane & 3) + {0, 1}
     const int g8 = lane >> 2, c2 = 2 * (lane & 3);
     int lim[2];  // last key each of the thread's two rows may see
 #pragma unroll
-    for (int i = 0; i < 2; ++i) lim[i] = min(base + (r0 + wq * 16 + g8 + 8 * i) / G, n_keys - 1);
-    // ldmatrix lane addressing. Q (A operand, x4 = rows 0-7/8-15 x k 0-7/8-15) and V (.trans B operand,
-    // x4 = keys 0-7/8-15 x dims d/d+8): lane row l & 15, logical chunk 2 * step + (l >> 4).
-    // K (B operand, x4 = keys 0-7 k-lo, keys 0-7 k-hi, keys 8-15 k-lo, keys 8-15 k-hi): lane row
-    // (l & 7) + 8 * (l >> 4), logical chunk 2 * step + ((l >> 3) & 1). Physical chunk = logical ^ (row & 7),
-    // row & 7 == lane & 7 for both; 2 * step is even so (2 * step + bit) ^ r == (2 * step) ^ (bit ^ r).
-    const int xq = (lane >> 4) ^ (lane & 7), xk = ((lane >> 3) & 1) ^ (lane & 7);
-    unsigned oq[4], ok[4];  // byte offsets of chunk (2i) ^ x, i = step & 3 (the higher bits of 2 * step pass)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) { oq[i] = ((2 * i) ^ xq) << 4; ok[i] = ((2 * i) ^ xk) << 4; }
-    const unsigned q_row = sQ + (wq * 16 + (lane & 15)) * RB;
-    const unsigned v_row = sV + (lane & 15) * RB;
-    const unsigned k_row = sK + ((lane & 7) + 8 * (lane >> 4)) * RB;
+    for (int i = 0; i < 2; ++i) lim[i] = min(base + (r0 + wg * 64 + w4 * 16 + g8 + 8 * i) / G, n_keys - 1);
 
-    float o[ND][4];
+    float o[NB][32];
 #pragma unroll
-    for (int d = 0; d < ND; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    for (int d = 0; d < NB; ++d)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) o[d][e] = 0.0f;
     float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.0f, 0.0f};
+    unsigned pa[4][4];  // P of the previous block as bf16 A fragments (k-step kk: keys 16kk..16kk+15)
+    // operand descriptors: Q (this warpgroup's) and K are K-major, V MN-major (8-key groups 1024 bytes apart)
+    const WgDesc dq(sQ + wg * WQ, 16, 1024), dkv(sKV, 16, 1024), dv(sKV, 64 * 128, 1024);
 
-    // group grp takes key blocks grp, grp + 2, ... (its own K/V buffers and barrier)
-    for (int kb = grp; kb < nblocks; kb += 2) {
+    // Block kb: S(kb) = Q K(kb)^T is issued together with O += P(kb-1) V(kb-1); the softmax of S(kb) runs
+    // while P V(kb-1) is on the tensor cores, and O is rescaled once that is done. K and V have two stages
+    // each: at the top of block kb, K(kb) and V(kb-1) have landed and every warpgroup is done with K(kb-1)
+    // and V(kb-2), whose stages then receive K(kb+1) and V(kb). Stage s: K at sKV + s KVB, V at
+    // sKV + (2 + s) KVB. (One loop body for every block: ptxas serializes wgmma whose groups differ by path.)
+    auto top = [&]() {
         cp_async_wait<0>();
-        pf_group_sync(grp);  // K(kb) landed for the whole group; the group is done with V(kb - 2)
-        pf_load_kv<HD>(vc, sV, kb, n_keys, table, bs_shift, nkv, kvh, gtid);
+        // cp.async writes -> wgmma reads. A MEMBAR: it waits for every load in flight, so the loads of the
+        // next blocks are issued after it
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+    };
+    // issued after the block's wgmma: the warps' page-table reads then wait under the tensor cores' work
+    auto load = [&](int kb) {
+        if (kb + 1 < nblocks) copy_block(kbase, sKV + ((kb + 1) & 1) * KVB, kb + 1);
+        if (kb < nblocks) copy_block(vbase, sKV + (2 + (kb & 1)) * KVB, kb);
         cp_async_commit();
-
-        // S = Q K^T: 16 rows x 64 keys per warp, 8 n8 tiles
-        float s[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    };
+    auto issue_s = [&](float (&s)[32], int kb) {  // S = Q K^T: 64 rows x 64 keys per warpgroup
+        const unsigned sk = (kb & 1) * KVB;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-            const unsigned hi = ((2 * ks) & ~7) << 4;
-            unsigned a0, a1, a2, a3;
-            ldsm_x4(q_row + hi + oq[ks & 3], a0, a1, a2, a3);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                unsigned b0, b1, b2, b3;
-                ldsm_x4(k_row + np * 16 * RB + hi + ok[ks & 3], b0, b1, b2, b3);
-                mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
-                mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
-            }
+            const unsigned off = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
+            wg_ss(s, dq.at(off), dkv.at(sk + off), ks);
         }
-
-        // causal / prefix mask (also hides the zero-filled keys past n_keys)
+        wg_commit();
+    };
+    auto issue_pv = [&](int kb) {  // O += P V: V column block d's keys 16kk.. start at sV + d 64 128 + kk 16 128
+        const unsigned sv = (2 + (kb & 1)) * KVB;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int d = 0; d < NB; ++d) wg_rs(o[d], pa[kk], dv.at(sv + d * (64 * 128) + kk * 2048));
+        wg_commit();
+    };
+    // mask, online softmax: s becomes P (f32), l and m advance; corr: the factor O still needs
+    auto softmax = [&](float (&s)[32], int kb, float (&corr)[2]) {
+        // causal / prefix mask (also hides the zero-filled keys past n_keys); s[4j + e]: row g8 + 8 (e >> 1),
+        // key 8j + c2 + (e & 1)
         const int k0 = kb * PF_KEYS;
         if (k0 + PF_KEYS - 1 > min_lim) {
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (k0 + 8 * j + c2 + (e & 1) > lim[e >> 1]) s[j][e] = NEG_INF;
+                    if (k0 + 8 * j + c2 + (e & 1) > lim[e >> 1]) s[4 * j + e] = NEG_INF;
         }
-
-        // online softmax; a row is spread over the 4 lanes of a quad
+        // a row is spread over the 4 lanes of a quad
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             float mx = m_r[i];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float ms = mx == NEG_INF ? 0.0f : mx * scale_log2;
-            const float corr = exp2f(m_r[i] * scale_log2 - ms);
+            corr[i] = exp2f(m_r[i] * scale_log2 - ms);
             m_r[i] = mx;
             float rs = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const float p0 = exp2f(fmaf(s[j][2 * i], scale_log2, -ms));
-                const float p1 = exp2f(fmaf(s[j][2 * i + 1], scale_log2, -ms));
-                s[j][2 * i] = p0;
-                s[j][2 * i + 1] = p1;
+                const float p0 = exp2f(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
+                const float p1 = exp2f(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
+                s[4 * j + 2 * i] = p0;
+                s[4 * j + 2 * i + 1] = p1;
                 rs += p0 + p1;
             }
-            l_r[i] = l_r[i] * corr + rs;
-#pragma unroll
-            for (int d = 0; d < ND; ++d) { o[d][2 * i] *= corr; o[d][2 * i + 1] *= corr; }
+            l_r[i] = l_r[i] * corr[i] + rs;
         }
-        // P as bf16 A fragments: k-step kk covers keys 16kk..16kk+15 = n8 tiles 2kk, 2kk+1
-        unsigned pa[4][4];
+    };
+    auto rescale_pack = [&](const float (&s)[32], const float (&corr)[2]) {  // O *= corr; P -> bf16 fragments
+        if (!__all_sync(0xffffffffu, corr[0] == 1.0f && corr[1] == 1.0f)) {  // (x 1 is exact: skipped)
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            for (int d = 0; d < NB; ++d)
+#pragma unroll
+                for (int e = 0; e < 32; ++e) o[d][e] *= corr[(e >> 1) & 1];
         }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pa[kk][r] = pack_bf16x2(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    };
+    auto hold_o = [&]() {
+#pragma unroll
+        for (int d = 0; d < NB; ++d) wg_hold(o[d]);
+    };
 
-        cp_async_wait<0>();
-        pf_group_sync(grp);  // V(kb) landed for the whole group; the group is done with K(kb)
-        if (kb + 2 < nblocks) {
-            pf_load_kv<HD>(kc, sK, kb + 2, n_keys, table, bs_shift, nkv, kvh, gtid);
-            cp_async_commit();
-        }
-
-        // O += P V
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int dp = 0; dp < HD / 16; ++dp) {
-                unsigned b0, b1, b2, b3;
-                ldsm_x4_t(v_row + kk * 16 * RB + (((2 * dp) & ~7) << 4) + oq[dp & 3], b0, b1, b2, b3);
-                mma_bf16(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
-                mma_bf16(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b2, b3);
-            }
-        }
+    float s[32], corr[2];
+    top();
+    wg_fence();
+    issue_s(s, 0);
+    load(0);
+    wg_wait<0>();
+    wg_hold(s);
+    softmax(s, 0, corr);
+    rescale_pack(s, corr);
+    for (int kb = 1; kb < nblocks; ++kb) {
+        top();
+        wg_fence();
+        issue_s(s, kb);
+        issue_pv(kb - 1);
+        load(kb);
+        wg_wait<1>();  // S(kb) done, P V(kb-1) may still run
+        wg_hold(s);
+        softmax(s, kb, corr);
+        wg_wait<0>();  // P V(kb-1) done: O and the P fragments are free
+        hold_o();
+        rescale_pack(s, corr);
     }
+    top();
+    wg_fence();
+    issue_pv(nblocks - 1);
+    wg_wait<0>();
+    hold_o();
 
-    // ---- merge the two key groups, normalise; O staged in f32 for the epilogue (row stride HD + 8
-    // floats: the float2 accesses are conflict free). Group 1 hands (O, m, l) to group 0 through smem.
+    // ---- normalise; O staged in f32 for the epilogue (row stride HD + 8 floats: the float2 accesses are
+    // conflict free)
     constexpr int OS = HD + 8;
-    float* so = reinterpret_cast<float*>(pf_smem);
-    float* sml = so + PF_ROWS * OS;  // [64][2] m, l of group 1
+    float* so = reinterpret_cast<float*>(pf_smem + (s0 - smem_addr(pf_smem)));
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
         l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 2);
-    }
-    __syncthreads();  // both groups are done with Q, K, V
-    if (grp == 1) {
+        const float inv = 1.0f / l_r[i];  // key 0 is visible to every row: l > 0
+        float* dst = so + (wg * 64 + w4 * 16 + g8 + 8 * i) * OS + c2;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int row = wq * 16 + g8 + 8 * i;
-            float* dst = so + row * OS + c2;
+        for (int d = 0; d < NB; ++d)
 #pragma unroll
-            for (int d = 0; d < ND; ++d) *reinterpret_cast<float2*>(dst + 8 * d) = make_float2(o[d][2 * i], o[d][2 * i + 1]);
-            if ((lane & 3) == 0) { sml[2 * row] = m_r[i]; sml[2 * row + 1] = l_r[i]; }
-        }
-    }
-    __syncthreads();
-    if (grp == 0) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int row = wq * 16 + g8 + 8 * i;
-            // group 0 always saw key 0, so m_r is finite; group 1's m is -inf when it had no block
-            const float m1 = sml[2 * row], l1 = sml[2 * row + 1];
-            const float M = fmaxf(m_r[i], m1);
-            const float c0 = exp2f((m_r[i] - M) * scale_log2), c1 = exp2f((m1 - M) * scale_log2);
-            const float inv = 1.0f / (l_r[i] * c0 + l1 * c1);
-            const float w0 = c0 * inv, w1 = c1 * inv;
-            float* dst = so + row * OS + c2;
-#pragma unroll
-            for (int d = 0; d < ND; ++d) {
-                const float2 x = *reinterpret_cast<const float2*>(dst + 8 * d);
-                *reinterpret_cast<float2*>(dst + 8 * d) =
-                    make_float2(o[d][2 * i] * w0 + x.x * w1, o[d][2 * i + 1] * w0 + x.y * w1);
-            }
-        }
+            for (int j = 0; j < 8; ++j)
+                *reinterpret_cast<float2*>(dst + 64 * d + 8 * j) =
+                    make_float2(o[d][4 * j + 2 * i] * inv, o[d][4 * j + 2 * i + 1] * inv);
     }
     __syncthreads();
 #pragma unroll 4
@@ -285,6 +321,9 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
         for (int e = 0; e < 8; ++e) f[e] *= sigmoid_f(bf2f(gp[e]));
         *reinterpret_cast<uint4*>(out + (t * nh + h) * HD + c * 8) = pack8(f);
     }
+#else
+    __trap();  // sm_90a only: the backend sends prefill rows to attn_fwd on other GPUs
+#endif
 }
 
 // Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each

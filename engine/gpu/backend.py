@@ -30,7 +30,7 @@ from ..step import Step
 from . import kernels
 from .gemm import gemm, get_gemm
 from .gemv_plan import GEMV_MAX_M, GEMV_MAX_M_INVARIANT, gemv_nw, gemv_plan
-from .prefill_tiles import PF_ROWS, leading_singles, prefill_tiles
+from .prefill_tiles import PF_KEYS, PF_ROWS, leading_singles, prefill_tiles
 
 LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
@@ -500,7 +500,7 @@ class CudaBackend:
         """Decode rows: attn_fwd (tensor cores, split-K over long contexts; each row sees the keys up to its own
         position). A step with a sequence of more than one new token: the leading decodes and verifies (a
         verify's 1 + k rows are decode-sized queries) still go to attn_fwd, every later sequence to
-        attn_prefill (tensor cores, cuda/attention_prefill.cu) when hd and the block size allow it. Not causal
+        attn_prefill (wgmma, cuda/attention_prefill.cu) on sm_90 when hd and the block size allow it. Not causal
         or windowed (the DFlash drafter's 16-token blocks): attn_fwd for every token, given each token's last
         key (its sequence's, when not causal) and the window."""
         T, nh, hd = q.shape
@@ -518,14 +518,15 @@ class CudaBackend:
             return out
         bt = meta.block_tables
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
-        if causal and not window and meta.max_new > 1 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0:
+        if (causal and not window and meta.max_new > 1 and self.kernels.arch == kernels.PREFILL_ARCH
+                and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0):
             if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
                 tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec)
                 meta.prefill_tiles = (G, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec
-                smem = 5 * PF_ROWS * hd * 2  # a Q tile and two K/V tile pairs of PF_ROWS x hd bf16
+                smem = (PF_ROWS + 4 * PF_KEYS) * hd * 2 + 1024  # Q, two stages of K and V, 1024-byte alignment
                 self._fn("attention_prefill.cu", f"attn_prefill<{hd}>", smem)(
                     (nkv, tiles.shape[0]), (256,),
                     (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,

@@ -43,6 +43,7 @@ GDN_DK = (32, 64, 128)
 ATTN_HD = (64, 128, 256)
 ATTN_G = (1, 2, 3, 4, 6, 8)
 PREFILL_HD = (64, 128, 256)
+PREFILL_ARCH = "90"  # attn_prefill is wgmma code (sm_90a); elsewhere prefill rows go to attn_fwd
 CONV_K = (2, 3, 4)
 # gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
 # 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU); the last two variants serve only the
@@ -119,9 +120,15 @@ def cache_dir() -> Path:
 
 
 # ---- compilation (NVRTC; no GPU needed) ------------------------------------------------------------
+def target(arch: str) -> str:
+    """NVRTC's -arch for compute capability `arch`: Hopper's feature set sm_90a (wgmma), which runs on
+    exactly that compute capability, as each cubin here is built for the GPU it runs on."""
+    return f"sm_{arch}a" if arch == "90" else f"sm_{arch}"
+
+
 def _key(file: str, instance: str | None, arch: str, nvrtc_version) -> str:
-    h = hashlib.sha256("\0".join([source(file), " ".join(OPTIONS), instance or "", arch, str(nvrtc_version)])
-                       .encode())
+    h = hashlib.sha256("\0".join([source(file), " ".join(OPTIONS), instance or "", target(arch),
+                                  str(nvrtc_version)]).encode())
     return h.hexdigest()[:24]
 
 
@@ -133,7 +140,7 @@ def compile_program(file: str, instance: str | None, arch: str) -> tuple[bytes, 
         if instance is not None:
             nvrtc.addNameExpression(prog, instance)
         try:
-            nvrtc.compileProgram(prog, [*OPTIONS, f"-arch=sm_{arch}"])
+            nvrtc.compileProgram(prog, [*OPTIONS, f"-arch={target(arch)}"])
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed on cuda/{file} {instance or ''}: {e}\n"
                                f"{nvrtc.getProgramLog(prog)}") from None
