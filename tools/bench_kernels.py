@@ -148,7 +148,7 @@ def main(argv=None):
         ms = timed(lambda: be._silu_mul(gu))
         rows.append(("silu_mul", f"T={T}", ms, f"{3 * T * F * 2 / ms / 1e6:.0f} GB/s"))
     nh, nkv, hd, bs = 16, 4, 256, 16
-    for B, ctx, L in ((1, 8192, 1), (32, 2048, 1), (1, 1024, 1024), (1, 2048, 2048)):
+    for B, ctx, L in ((1, 8192, 1), (32, 2048, 1), (1, 1024, 1024), (1, 2048, 2048), (1, 8192, 2048), (1, 8192, 8192)):
         nblk = -(-ctx // bs)
         kc = bits(B * nblk + 1, bs, nkv, hd)
         vc = bits(B * nblk + 1, bs, nkv, hd)
