@@ -285,6 +285,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     issue_pv(nblocks - 1);
     wg_wait<0>();
     hold_o();
+    __syncthreads();  // the staging below overlays the V stages the other warpgroup's last P V may still read
 
     // ---- normalise; O staged in f32 for the epilogue (row stride HD + 8 floats: the float2 accesses are
     // conflict free)
