@@ -278,6 +278,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
         softmax(s, kb, corr);
         wg_wait<0>();  // P V(kb-1) done: O and the P fragments are free
         hold_o();
+        wg_hold(s);  // the packing reads s: it stays below the wait too
         rescale_pack(s, corr);
     }
     top();
