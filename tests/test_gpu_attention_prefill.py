@@ -52,6 +52,7 @@ CASES = {
     "decodes+chunks": ([1, 1, 1, 65, 15, 1, 130, 2], [700, 5, 300, 17, 300, 40, 0, 17]),
     "long": ([1, 1000, 1], [1200, 300, 1500]),
     "single-prefill": ([64], [0]),
+    "chunk-after-2048": ([2048], [2048]),  # hundreds of tiles, both stage parities at the end (a stress for races)
 }
 DIMS = [(16, 4, 256), (24, 4, 256), (8, 2, 256), (12, 2, 256), (8, 2, 128), (4, 2, 64), (6, 2, 64)]
 DIM_IDS = ["G4-nkv4-4b", "G6-nkv4-27b", "G4-nkv2", "G6-nkv2", "G4-hd128", "G2-hd64-tiny", "G3-hd64-tiny3"]
