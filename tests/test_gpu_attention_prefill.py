@@ -52,7 +52,6 @@ CASES = {
     "decodes+chunks": ([1, 1, 1, 65, 15, 1, 130, 2], [700, 5, 300, 17, 300, 40, 0, 17]),
     "long": ([1, 1000, 1], [1200, 300, 1500]),
     "single-prefill": ([64], [0]),
-    "chunk-after-2048": ([2048], [2048]),  # hundreds of tiles, both stage parities at the end (a stress for races)
 }
 DIMS = [(16, 4, 256), (24, 4, 256), (8, 2, 256), (12, 2, 256), (8, 2, 128), (4, 2, 64), (6, 2, 64)]
 DIM_IDS = ["G4-nkv4-4b", "G6-nkv4-27b", "G4-nkv2", "G6-nkv2", "G4-hd128", "G2-hd64-tiny", "G3-hd64-tiny3"]
@@ -82,6 +81,13 @@ def _check(be, lens, bases, nh, nkv, hd, bs=16, seed=0):
 def test_prefill_attention(be, case, nh, nkv, hd):
     lens, bases = CASES[case]
     _check(be, lens, bases, nh, nkv, hd)
+
+
+def test_prefill_attention_many_tiles(be):
+    """A 2048-token chunk after 2048 cached tokens on the 4B heads: 256 CTAs of 32..64 key blocks ending in
+    either K/V stage (the timing under which the epilogue's staging once raced the other warpgroup's last
+    P V). The 4B heads only: the NumPy reference takes ~10-30 s here."""
+    _check(be, [2048], [2048], 16, 4, 256)
 
 
 @pytest.mark.parametrize("bs", [8, 32, 64, 128])
