@@ -57,18 +57,13 @@
 template <int PF, int NC = 1>
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16_t* p) {
     uint4 r;
-    if (PF && NC)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    else if (NC)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    else if (PF)
-        asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    else
-        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+#define GEMV_LD_W(Q) asm volatile("ld.global" Q ".v4.u32 {%0, %1, %2, %3}, [%4];" \
+                                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p))
+    if (PF && NC) GEMV_LD_W(".nc.L1::no_allocate.L2::256B");
+    else if (NC) GEMV_LD_W(".nc.L1::no_allocate");
+    else if (PF) GEMV_LD_W(".L1::no_allocate.L2::256B");
+    else GEMV_LD_W(".L1::no_allocate");
+#undef GEMV_LD_W
     return r;
 }
 

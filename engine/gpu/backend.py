@@ -30,13 +30,14 @@ from ..step import Step
 from . import kernels
 from .gemm import gemm, get_gemm
 from .gemv_plan import GEMV_MAX_M, GEMV_MAX_M_INVARIANT, gemv_nw, gemv_plan
-from .prefill_tiles import PF_KEYS, PF_ROWS, leading_singles, prefill_tiles
+from .prefill_tiles import PF_ROWS, leading_singles, prefill_tiles
 
 LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
+PF_KEYS = kernels.define("attention_prefill.cu", "PF_KEYS")  # attn_prefill's keys per K/V stage
 GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
 # Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
 # the longest context, so a row's partial sums would change with its neighbours)

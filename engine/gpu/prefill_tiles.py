@@ -7,7 +7,6 @@ from ..step import Step
 from .kernels import define
 
 PF_ROWS = define("attention_prefill.cu", "PF_ROWS")  # query rows (token, q head) per tile
-PF_KEYS = define("attention_prefill.cu", "PF_KEYS")  # keys per block (shared memory stages)
 
 
 def leading_singles(lens: np.ndarray) -> int:
