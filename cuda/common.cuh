@@ -112,3 +112,78 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+// ---- mbarriers, thread-block clusters and bulk copies ------------------------------------------------
+// An mbarrier completes a phase when its arrivals (and, on sm_90, its expected transaction bytes) are in;
+// waiters wait on the phase parity. On sm_90a a bulk copy moves a contiguous global range into shared
+// memory on the async proxy and counts its bytes on an mbarrier (complete_tx); .multicast::cluster lands
+// the bytes at the same offset in every CTA of the mask, each one's mbarrier at the same offset signalled.
+// Without sm_90a features: clusters of one (rank 0 of 1, the cluster barrier a block barrier).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "\t@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+#else
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAIT:\n\tmbarrier.test_wait.parity.shared.b64 p, [%0], %1;\n"
+                 "\t@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+#endif
+}
+// a named barrier for the first `threads` threads of the block (barrier 0 is __syncthreads')
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// the calling thread's cp.async copies issued so far arrive on `bar` when they complete (one arrival)
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
+}
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+// every thread of every CTA in the cluster; orders shared-memory accesses before it with those after it
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// generic-proxy writes to shared memory before it, ordered before async-proxy (bulk copy) accesses after it
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// one arrival on the mbarrier at shared offset `bar` of cluster CTA `rank`; relaxed (a release is a MEMBAR
+// per call): for a "done reading" signal whose reads are complete, their values consumed
+__device__ __forceinline__ void mbar_arrive_at(unsigned bar, unsigned rank) {
+    asm volatile("{\n\t.reg .b32 r;\n\tmapa.shared::cluster.u32 r, %0, %1;\n"
+                 "\tmbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [r];\n}" ::"r"(bar), "r"(rank) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_copy_mc(unsigned dst, const void* src, unsigned bytes, unsigned bar,
+                                             unsigned short mask) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1], %2, [%3], %4;" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
+}
+#else
+__device__ __forceinline__ unsigned cluster_rank() { return 0; }
+__device__ __forceinline__ unsigned cluster_size() { return 1; }
+__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+__device__ __forceinline__ void mbar_init_fence() {}
+__device__ __forceinline__ void fence_proxy_async() {}
+__device__ __forceinline__ void mbar_arrive_at(unsigned bar, unsigned) {
+    asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+#endif

@@ -176,14 +176,17 @@ template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16
 // ---- Chunked (WY/UT) form for prefill (spec §4.7), two kernels ----------------------------------
 // Chunks of 64 tokens per sequence. gdn_chunk_prep is parallel over (chunk, head, sequence): it builds
 // everything that depends on q, k, a, b only, so the serial state pass below is four small matmuls
-// per chunk over operands it streams in with cp.async:
+// per chunk over operands it streams in:
 //   gam = cumsum(g) in the chunk, D_ij = exp(gam_i - gam_j) (j <= i, <= 1 so never overflows)
 //   A = tril(beta_i k_i.k_j D_ij, -1);  [W | U] = (I + A)^-1 [beta k e^gam | beta v]
 //   P = tril(q_i.k_j D_ij);  Qs = q e^gam;  Ks = k e^(gam_last - gam)   (q, k L2-normed, q * dk^-0.5)
-// written as W, Qs, Ks [T, nv, DK] and P [T, nv, 64] in bf16x3 pairs (below: a row of X values is X bf16
-// hi then X bf16 lo, x = hi + lo to ~2^-16), U [T, nv, dv] and aux [T, nv, 4] (gam in .x) in f32.
+// W [nv, T, DK] and P [nv, T, 64] are written in bf16x3 pairs (below: a row of X values is X bf16 hi then
+// X bf16 lo, x = hi + lo to ~2^-16; rows padded by 8 bf16, as the state pass keeps them in shared memory),
+// U in f32 as [nv, dv/32, T, 32] (a state tile's columns of a chunk are one range), aux [nv, T, 4] f32 = (gam, sq, sk, 0) with Qs = sq q and Ks = sk k for the raw
+// (conv output, bf16) q and k rows: the state pass reads those rows themselves, exact as bf16 operands,
+// and applies the row scales to its products.
 // gdn_chunk_state then runs per (32-column state tile, head, sequence), chunk after chunk:
-//   v_new = U - W S;  o = Qs S + P v_new;  S = e^gam_last S + Ks^T v_new
+//   v_new = U - W S;  o = sq (q S) + P v_new;  S = e^gam_last S + k^T (sk v_new)
 // on tensor cores (below). Rows past a sequence's end are zeros (g = 0, beta = 0), which leaves outputs
 // and state unchanged.
 #define GDN_C 64
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     const bf16_t* __restrict__ qkv, long long sq, const bf16_t* __restrict__ a, long long sa,
     const bf16_t* __restrict__ b, long long sb, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const int* __restrict__ cu, bf16_t* __restrict__ W, float* __restrict__ U, bf16_t* __restrict__ P,
-    bf16_t* __restrict__ Qs, bf16_t* __restrict__ Ks, float* __restrict__ aux, int nk, int nv, int dv)
+    float* __restrict__ aux, int T, int nk, int nv, int dv)
 {
     pdl_enter();
     extern __shared__ __align__(16) char smem_c[];
@@ -284,8 +287,11 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
     }
     __syncthreads();
     if (tid < GDN_C) {  // (read after the barrier below, "sA complete")
-        s_cw[tid] = s_beta[tid] * expf(s_gam[tid]) * s_rk[tid];
-        if (tid < L) aux[((long long)(t0 + tid) * nv + h) * 4] = s_gam[tid];
+        const float gam = s_gam[tid];
+        s_cw[tid] = s_beta[tid] * expf(gam) * s_rk[tid];
+        if (tid < L)
+            *reinterpret_cast<float4*>(aux + ((long long)h * T + t0 + tid) * 4) =
+                make_float4(gam, s_rq[tid] * expf(gam), s_rk[tid] * expf(s_gam[L - 1] - gam), 0.0f);
     }
 
     {   // K K^T and Q K^T: warp w takes rows 16 (w % 4).. and columns 32 (w / 4).. (4 n8 tiles)
@@ -329,24 +335,11 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
                     pr[e] = qi * qk[n][2 * hh + e] * D;
                 }
                 if (i < L) {
-                    unsigned* dst = reinterpret_cast<unsigned*>(P + ((long long)(t0 + i) * nv + h) * 2 * GDN_C + nb + 8 * n + 2 * t);
+                    unsigned* dst = reinterpret_cast<unsigned*>(P + ((long long)h * T + t0 + i) * (2 * GDN_C + 8) + nb + 8 * n + 2 * t);
                     split_bf16x2(pr[0], pr[1], dst[0], dst[GDN_C / 2]);
                 }
             }
         }
-    }
-    // Qs = q e^gam, Ks = k e^(gam_last - gam) (normed rows) out
-    const float g_last = s_gam[L - 1];
-    for (int idx = tid; idx < L * DK / 2; idx += 256) {
-        const int i = idx / (DK / 2), c = 2 * (idx - i * (DK / 2));
-        const long long o = ((long long)(t0 + i) * nv + h) * 2 * DK + c;
-        const float eq = s_rq[i] * expf(s_gam[i]), ek = s_rk[i] * expf(g_last - s_gam[i]);
-        const unsigned q2 = *reinterpret_cast<const unsigned*>(sQr + i * RQ + c * 2);
-        const unsigned k2 = *reinterpret_cast<const unsigned*>(sKr + i * RQ + c * 2);
-        unsigned* qd = reinterpret_cast<unsigned*>(Qs + o);
-        unsigned* kd = reinterpret_cast<unsigned*>(Ks + o);
-        split_bf16x2(lo_bf(q2) * eq, hi_bf(q2) * eq, qd[0], qd[DK / 2]);
-        split_bf16x2(lo_bf(k2) * ek, hi_bf(k2) * ek, kd[0], kd[DK / 2]);
     }
     __syncthreads();                            // sA, s_cw complete
     // (I + A) X = R by forward substitution, one column of X = [W | U] per thread, held in registers:
@@ -389,11 +382,12 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
                 uint2 hi, lo;
                 split_bf16x2(v.x, v.y, hi.x, lo.x);
                 split_bf16x2(v.z, v.w, hi.y, lo.y);
-                bf16_t* dst = W + ((long long)(t0 + i) * nv + h) * 2 * DK + cc;
+                bf16_t* dst = W + ((long long)h * T + t0 + i) * (2 * DK + 8) + cc;
                 *reinterpret_cast<uint2*>(dst) = hi;
                 *reinterpret_cast<uint2*>(dst + DK) = lo;
             } else {
-                *reinterpret_cast<float4*>(U + ((long long)(t0 + i) * nv + h) * dv + cc - DK) = v;
+                const int cv = cc - DK;
+                *reinterpret_cast<float4*>(U + (((long long)h * (dv / 32) + cv / 32) * T + t0 + i) * 32 + (cv & 31)) = v;
             }
         }
     }
@@ -401,35 +395,41 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep(
 
 // ---- gdn_chunk_state: the four products on tensor cores (mma.sync m16n8k16 bf16x3) -----------------
 // HF runs this math in f32, so every product is bf16x3: x = hi + lo (both bf16, lo the rounded remainder,
-// x to ~2^-16 relative) and a*b ~ ah*bh + (ah*bl + al*bh), three bf16 mma per k16 with f32 accumulation.
-// Prep writes its operands already split (a row of X values is X hi then X lo bf16: the bytes of f32); the
-// kernel splits S and v_new as it stores them to shared memory for the next product.
+// x to ~2^-16 relative) and a*b ~ ah*bh + (ah*bl + al*bh), three bf16 mma per k16 with f32 accumulation;
+// two where A is exact in bf16 (the raw q and k rows). Prep writes W and P already split (a row of X values
+// is X hi then X lo bf16: the bytes of f32); the kernel splits S and v_new as it stores them to shared
+// memory for the next product.
 
-// acc (16 rows x 16 columns: two n8 C fragments) += A (16 x K) . B (K x 16), both bf16x3 in shared memory.
-// a, b: this lane's ldmatrix addresses of the hi halves at k = 0, stepped by a_step / b_step bytes per k16;
-// the lo halves are a_lo / b_lo bytes further. B is stored k-major ([k][n] rows: .trans); A row-major
-// ([m][k] rows) or, with A_T, k-major ([k][m] rows: .trans). The small terms go to `cor`, their own
-// dependency chain, which the caller adds to acc.
-template <bool A_T, int K>
+// acc (16 rows x 16 columns: two n8 C fragments) += A (16 x K) . B (K x 16), B bf16x3 and A bf16x3 (A_LO)
+// or bf16, in shared memory. a, b: this lane's ldmatrix addresses of the hi halves at k = 0, stepped by
+// a_step / b_step bytes per k16; the lo halves are a_lo / b_lo bytes further. B is stored k-major ([k][n]
+// rows: .trans); A row-major ([m][k] rows) or, with A_T, k-major ([k][m] rows: .trans). The small terms go
+// to `cor`, their own dependency chain, which the caller adds to acc.
+template <bool A_T, bool A_LO>
+__device__ __forceinline__ void mma3_frags(unsigned (&f)[16], unsigned a, int a_lo, unsigned b, int b_lo) {
+    if (A_T) ldsm_x4_t(a, f[0], f[1], f[2], f[3]);
+    else ldsm_x4(a, f[0], f[1], f[2], f[3]);
+    if (A_LO) {
+        if (A_T) ldsm_x4_t(a + a_lo, f[4], f[5], f[6], f[7]);
+        else ldsm_x4(a + a_lo, f[4], f[5], f[6], f[7]);
+    }
+    ldsm_x4_t(b, f[8], f[9], f[10], f[11]);
+    ldsm_x4_t(b + b_lo, f[12], f[13], f[14], f[15]);
+}
+template <bool A_T, bool A_LO, int K>
 __device__ __forceinline__ void mma3(float (&acc)[2][4], float (&cor)[2][4], unsigned a, int a_step, int a_lo,
                                      unsigned b, int b_step, int b_lo) {
+    unsigned f[2][16];                          // k16 step k's fragments, the next step's loaded under its mma
+    mma3_frags<A_T, A_LO>(f[0], a, a_lo, b, b_lo);
 #pragma unroll
-    for (int k = 0; k < K; k += 16, a += a_step, b += b_step) {
-        unsigned ah[4], al[4], bh[4], bl[4];
-        if (A_T) {
-            ldsm_x4_t(a, ah[0], ah[1], ah[2], ah[3]);
-            ldsm_x4_t(a + a_lo, al[0], al[1], al[2], al[3]);
-        } else {
-            ldsm_x4(a, ah[0], ah[1], ah[2], ah[3]);
-            ldsm_x4(a + a_lo, al[0], al[1], al[2], al[3]);
-        }
-        ldsm_x4_t(b, bh[0], bh[1], bh[2], bh[3]);
-        ldsm_x4_t(b + b_lo, bl[0], bl[1], bl[2], bl[3]);
+    for (int k = 0; k < K / 16; ++k) {
+        unsigned (&x)[16] = f[k & 1];
+        if (k + 1 < K / 16) mma3_frags<A_T, A_LO>(f[(k + 1) & 1], a + (k + 1) * a_step, a_lo, b + (k + 1) * b_step, b_lo);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-            mma_bf16(acc[n], ah[0], ah[1], ah[2], ah[3], bh[2 * n], bh[2 * n + 1]);
-            mma_bf16(cor[n], ah[0], ah[1], ah[2], ah[3], bl[2 * n], bl[2 * n + 1]);
-            mma_bf16(cor[n], al[0], al[1], al[2], al[3], bh[2 * n], bh[2 * n + 1]);
+            mma_bf16(acc[n], x[0], x[1], x[2], x[3], x[8 + 2 * n], x[9 + 2 * n]);
+            mma_bf16(cor[n], x[0], x[1], x[2], x[3], x[12 + 2 * n], x[13 + 2 * n]);
+            if (A_LO) mma_bf16(cor[n], x[4], x[5], x[6], x[7], x[8 + 2 * n], x[9 + 2 * n]);
         }
     }
 }
@@ -448,67 +448,152 @@ __device__ __forceinline__ void store_split(char* base, int r0, int c0, const fl
         }
 }
 
-// cp.async rows [0, 64) of a chunk of a [T, nv, row_bytes] tensor (head h; n16 16-byte pieces from byte
-// col0 of each row) into shared rows of `ld` bytes at dst; rows past L are zero-filled.
-__device__ __forceinline__ void load_rows(unsigned dst, int ld, const void* src, int t0, int L, int nv, int h,
-                                          int row_bytes, int col0, int n16) {
-    const char* s = static_cast<const char*>(src);
-    for (int idx = threadIdx.x; idx < GDN_C * n16; idx += blockDim.x) {
-        const int i = idx / n16, c = (idx - i * n16) * 16;
-        const bool ok = i < L;
-        cp_async16(dst + i * ld + c, ok ? s + ((long long)(t0 + i) * nv + h) * row_bytes + col0 + c : s, ok ? 16 : 0);
+// One chunk's operands for a state tile, a stage of shared memory: rows [0, 64) of W (bf16x3), raw q and k
+// (bf16), P (bf16x3), the tile's U columns (f32) and aux. Padded rows (16 mod 128 bytes) keep the ldmatrix
+// phases conflict-free; prep writes W and P with the same padding, so a chunk of them is one range.
+template <int DK>
+struct ChunkStage {
+    static constexpr int RW = (2 * DK + 8) * 2, RQ = (DK + 8) * 2, RP = (2 * GDN_C + 8) * 2, RU = 32 * 4;
+    static constexpr int W = 0, Q = W + GDN_C * RW, K = Q + GDN_C * RQ, P = K + GDN_C * RQ, U = P + GDN_C * RP,
+                         AUX = U + GDN_C * RU, BYTES = AUX + GDN_C * 16;
+    static constexpr int ROW_IN = RW + 4 * DK + RP + RU + 16;  // bytes copied per token row
+};
+
+// The producer warp: chunk t0's rows [0, L) into the stage at `st`, counted on the stage's `full` barrier.
+// On sm_90a by bulk copies: the CTAs of the cluster (the head's state tiles) each copy a share of the W and
+// P rows and of the q and k rows, multicast to all of them, rank 0 the aux rows, each its own U tile (one
+// arrival: the expect_tx). Elsewhere by cp.async, 16 bytes a thread, rows past L zeroed (32 arrivals).
+// Rows past L are otherwise stale: the consumers zero those rows of v_new, and k's were zeroed at the start.
+template <int DK>
+__device__ __forceinline__ void chunk_load(char* st, unsigned full, int t0, int L, const bf16_t* W, const float* U,
+                                           const bf16_t* P, const bf16_t* qkv, long long sq, const float* aux,
+                                           int T, int nk, int nv, int dv, int h, int tile) {
+    using S = ChunkStage<DK>;
+    const int lane = threadIdx.x & 31;
+    const char* srcW = reinterpret_cast<const char*>(W) + ((long long)h * T + t0) * S::RW;
+    const char* srcP = reinterpret_cast<const char*>(P) + ((long long)h * T + t0) * S::RP;
+    const char* srcQ = reinterpret_cast<const char*>(qkv + (long long)t0 * sq + h / (nv / nk) * DK);
+    const char* srcK = srcQ + nk * DK * 2;
+    const char* srcU = reinterpret_cast<const char*>(U + (((long long)h * (dv / 32) + tile) * T + t0) * 32);
+    const char* srcA = reinterpret_cast<const char*>(aux + ((long long)h * T + t0) * 4);
+    const long long ldQ = sq * 2;
+    const unsigned d = smem_addr(st);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const unsigned rank = cluster_rank(), n = cluster_size();
+    const unsigned short all = (unsigned short)((1u << n) - 1);
+    if (lane == 0) {
+        const int per = GDN_C / n, i0 = rank * per, i1 = min(L, i0 + per);
+        mbar_expect_tx(full, L * S::ROW_IN);
+        bulk_copy(d + S::U, srcU, L * S::RU, full);
+        if (rank == 0) bulk_copy_mc(d + S::AUX, srcA, L * 16, full, all);
+        if (i1 > i0) {
+            bulk_copy_mc(d + S::W + i0 * S::RW, srcW + i0 * S::RW, (i1 - i0) * S::RW, full, all);
+            bulk_copy_mc(d + S::P + i0 * S::RP, srcP + i0 * S::RP, (i1 - i0) * S::RP, full, all);
+        }
     }
-    cp_async_commit();
+    for (int i = rank + n * lane; i < L; i += 32 * n) {
+        bulk_copy_mc(d + S::Q + i * S::RQ, srcQ + i * ldQ, 2 * DK, full, all);
+        bulk_copy_mc(d + S::K + i * S::RQ, srcK + i * ldQ, 2 * DK, full, all);
+    }
+#else
+    const char* src[6] = {srcW, srcQ, srcK, srcP, srcU, srcA};
+    const long long ld[6] = {S::RW, ldQ, ldQ, S::RP, S::RU, 16};
+    const int off[6] = {S::W, S::Q, S::K, S::P, S::U, S::AUX}, dld[6] = {S::RW, S::RQ, S::RQ, S::RP, S::RU, 16};
+    const int n16[6] = {S::RW / 16, 2 * DK / 16, 2 * DK / 16, S::RP / 16, S::RU / 16, 1};
+#pragma unroll
+    for (int a = 0; a < 6; ++a)
+        for (int idx = lane; idx < GDN_C * n16[a]; idx += 32) {
+            const int i = idx / n16[a], c = (idx - i * n16[a]) * 16;
+            const bool ok = i < L;
+            cp_async16(d + off[a] + i * dld[a] + c, ok ? src[a] + i * ld[a] + c : src[a], ok ? 16 : 0);
+        }
+    cp_async_arrive(full);
+#endif
 }
 
-// Grid (dv/32, nv, B), 512 threads: 16 warps, as two sets of 8 that split the tile's 32 columns (one
-// block per SM for the shared memory below, so the warps are what hides the mma and load latency). The
-// block's state tile S [DK][32] lives in registers as mma accumulators (warp w owns rows 16 (w % 8)..
-// +15 of its 16 columns, if w % 8 < DK/16), with a split copy in shared memory for the products that
-// read it. Per chunk, with q = w % 8: warps q < 4 compute W S (rows 16q..), q >= 4 Qs S; the first
-// turn theirs into v_new = U - W S (split into shared memory); then the second add P v_new to o and
-// store it, while the owners update S = e^gam_last S + Ks^T v_new. Loads run under the products: Ks and
-// P (cp.async) under W S / Qs S, the next chunk's W and Qs under the second half, U straight to registers.
-// Shared rows are hi | lo | 8 bf16 of padding (16 mod 128 bytes: ldmatrix phases are conflict-free).
+// Grid (dv/32, nv, B), 16 consumer warps and a producer warp. On sm_90a the launcher groups a head's state
+// tiles into clusters that share one load of each chunk's W, q, k, P and aux (each tile fetching the same
+// ~120 KB per chunk from L2 was the bound: 576 -> 398 us at 8192 tokens on an H100). The consumers, as two sets of 8 that split the tile's 32
+// columns (one block per SM for the shared memory below, so the warps are what hides the mma latency): the
+// block's state tile S [DK][32] lives in registers as mma accumulators (warp w owns rows 16 (w % 8)..+15 of
+// its 16 columns, if w % 8 < DK/16), with a split copy in shared memory for the products that read it. Per
+// chunk, with q = w % 8: warps q < 4 compute W S (rows 16q..), q >= 4 q S; the first turn theirs into
+// v_new = U - W S (split into shared memory, plain and scaled by sk); then the second add P v_new to o and
+// store it, while the owners update S = e^gam_last S + k^T (sk v_new). The producer fills one stage while
+// the consumers read the other: `full` counts a stage's bytes in, `empty` the CTAs of the cluster done with it.
 #define GDN_STATE_WARPS 16
 template <int DK>
-__global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
+__global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) gdn_chunk_state(
     const bf16_t* __restrict__ W, const float* __restrict__ U, const bf16_t* __restrict__ P,
-    const bf16_t* __restrict__ Qs, const bf16_t* __restrict__ Ks, const float* __restrict__ aux, float* state,
+    const bf16_t* __restrict__ qkv, long long sq, const float* __restrict__ aux, float* state,
     const int* __restrict__ cu, const int* __restrict__ slots, const int* __restrict__ save_at,
-    const int* __restrict__ save_rows, bf16_t* __restrict__ out, int nv, int dv)
+    const int* __restrict__ save_rows, bf16_t* __restrict__ out, int T, int nk, int nv, int dv)
 {
     pdl_enter();
-    constexpr int RW = (2 * DK + 8) * 2, RP = (2 * GDN_C + 8) * 2, RS = GDN_RS;  // row bytes
+    using CS = ChunkStage<DK>;
+    constexpr int RS = GDN_RS, NC = 32 * GDN_STATE_WARPS;  // consumer threads
     extern __shared__ __align__(16) char smem_c[];
     char* sS = smem_c;                          // [DK][RS]   S
-    char* sW = sS + DK * RS;                    // [64][RW]   W
-    char* sQ = sW + GDN_C * RW;                 // [64][RW]   Qs
-    char* sK = sQ + GDN_C * RW;                 // [64][RW]   Ks
-    char* sP = sK + GDN_C * RW;                 // [64][RP]   P
-    char* sV = sP + GDN_C * RP;                 // [64][RS]   v_new
+    char* sV = sS + DK * RS;                    // [64][RS]   v_new
+    char* sVs = sV + GDN_C * RS;                // [64][RS]   sk v_new
+    char* stage = sVs + GDN_C * RS;             // 2 x ChunkStage
+    const unsigned full = smem_addr(stage + 2 * CS::BYTES), empty = full + 16;  // 2 mbarriers each
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int col0 = blockIdx.x * 32, h = blockIdx.y, seq = blockIdx.z;
-    const int t_beg = cu[seq], t_end = cu[seq + 1];
+    const int tile = blockIdx.x, col0 = tile * 32, h = blockIdx.y, seq = blockIdx.z;
+    const int t_beg = cu[seq], t_end = cu[seq + 1], n_chunks = (t_end - t_beg + GDN_C - 1) / GDN_C;
+    const unsigned n_cta = cluster_size();
+
+    for (int i = threadIdx.x; i < 2 * GDN_C * CS::RQ / 16; i += blockDim.x) {  // k rows: finite past the end
+        const int s = i / (GDN_C * CS::RQ / 16), j = i - s * (GDN_C * CS::RQ / 16);
+        reinterpret_cast<uint4*>(stage + s * CS::BYTES + CS::K)[j] = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    if (threadIdx.x == 0) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        const unsigned full_arrivals = 1;       // the producer's expect_tx
+#else
+        const unsigned full_arrivals = 32;      // the producer lanes' cp.async completions
+#endif
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(full + 8 * s, full_arrivals);
+            mbar_init(empty + 8 * s, n_cta);
+        }
+        mbar_init_fence();
+    }
+
+    if (warp == GDN_STATE_WARPS) {              // the producer
+        cluster_sync();                         // every CTA's barriers and zeros are in place
+        for (int c = 0; c < n_chunks; ++c) {
+            const int s = c & 1, t0 = t_beg + c * GDN_C;
+            if (c >= 2) mbar_wait(empty + 8 * s, ((c >> 1) - 1) & 1);  // chunk c - 2 released everywhere
+            chunk_load<DK>(stage + s * CS::BYTES, full + 8 * s, t0, min(GDN_C, t_end - t0), W, U, P, qkv, sq, aux,
+                           T, nk, nv, dv, h, tile);
+        }
+        cluster_sync();                         // no CTA exits while a peer may still signal its barriers
+        return;
+    }
+
     float* S_g = state + ((long long)slots[seq] * nv + h) * DK * dv + col0;
     const int save_end = t_beg + save_at[seq];  // prefix caching: S after this chunk also goes to a snapshot row
     float* S_save = state + ((long long)save_rows[seq] * nv + h) * DK * dv + col0;
     const int q = warp & 7, c0 = (warp >> 3) * 16;  // row role, first column
     const bool owner = q < DK / 16;
-    const int r0 = (q & 3) * 16;                // this warp's rows of W S / Qs S / P v_new
+    const int r0 = (q & 3) * 16;                // this warp's rows of W S / q S / P v_new
     float S[2][4];                              // owned S tile: rows 16q + g (+8), columns c0 + 8n + 2t (+1)
 
-    // this lane's ldmatrix addresses: A row-major (rows r0.., k 0), A k-major (Ks^T rows 16q.., k 0),
-    // B k-major (k 0, columns c0..)
+    // this lane's ldmatrix addresses in stage 0: A row-major (rows r0.., k 0), A k-major (k^T rows 16q..,
+    // k 0), B k-major (k 0, columns c0..)
     const int a_row = lane & 15, a_col = (lane >> 4) * 8;
     const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = ((lane >> 3) & 1) * 8;
     const int b_row = (lane & 7) + ((lane >> 3) & 1) * 8, b_col = c0 + (lane >> 4) * 8;
-    const unsigned aWQ = smem_addr((q < 4 ? sW : sQ) + (r0 + a_row) * RW + a_col * 2);
-    const unsigned aP = smem_addr(sP + (r0 + a_row) * RP + a_col * 2);
-    const unsigned aK = smem_addr(sK + at_row * RW + (q * 16 + at_col) * 2);
+    const unsigned aW = smem_addr(stage + CS::W + (r0 + a_row) * CS::RW + a_col * 2);
+    const unsigned aQ = smem_addr(stage + CS::Q + (r0 + a_row) * CS::RQ + a_col * 2);
+    const unsigned aP = smem_addr(stage + CS::P + (r0 + a_row) * CS::RP + a_col * 2);
+    const unsigned aK = smem_addr(stage + CS::K + at_row * CS::RQ + (q * 16 + at_col) * 2);
     const unsigned bS = smem_addr(sS + b_row * RS + b_col * 2);
     const unsigned bV = smem_addr(sV + b_row * RS + b_col * 2);
+    const unsigned bVs = smem_addr(sVs + b_row * RS + b_col * 2);
 
     if (owner) {
 #pragma unroll
@@ -518,54 +603,55 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
                 S[n][i] = S_g[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)];
         store_split(sS, q * 16, c0, S);
     }
-    if (t_beg < t_end) {
-        const int L = min(GDN_C, t_end - t_beg);
-        load_rows(smem_addr(sW), RW, W, t_beg, L, nv, h, 4 * DK, 0, DK / 4);
-        load_rows(smem_addr(sQ), RW, Qs, t_beg, L, nv, h, 4 * DK, 0, DK / 4);
-    }
+    cluster_sync();
 
-    for (int t0 = t_beg; t0 < t_end; t0 += GDN_C) {
-        const int L = min(GDN_C, t_end - t0);
-        cp_async_wait<0>();                     // this chunk's W and Qs
-        __syncthreads();                        // ... everyone's; last chunk's readers of sK, sP, sV are done
-        load_rows(smem_addr(sK), RW, Ks, t0, L, nv, h, 4 * DK, 0, DK / 4);
-        load_rows(smem_addr(sP), RP, P, t0, L, nv, h, 4 * GDN_C, 0, GDN_C / 4);
-        const float decay = expf(aux[((long long)(t0 + L - 1) * nv + h) * 4]);
-        float u[2][4] = {};                     // q < 4: this lane's U (zero past the end)
+    for (int c = 0; c < n_chunks; ++c) {
+        const int t0 = t_beg + c * GDN_C, L = min(GDN_C, t_end - t0), s = c & 1;
+        const char* st = stage + s * CS::BYTES;
+        const unsigned so = s * CS::BYTES;
+        bar_sync(1, NC);                        // last chunk's S is in sS, its readers of sV / sVs are done
+        if (c > 0 && threadIdx.x < n_cta)       // ... and of its stage: tell every producer of the cluster
+            mbar_arrive_at(empty + 8 * ((c - 1) & 1), threadIdx.x);
+        mbar_wait(full + 8 * s, (c >> 1) & 1);  // this chunk's operands have landed
+        const float* sa = reinterpret_cast<const float*>(st + CS::AUX);  // (gam, sq, sk, 0) per row
+        float acc[2][4] = {}, cor[2][4] = {};   // q < 4: W S; q >= 4: q S, then sq (q S) + P v_new = o
         if (q < 4) {
+            mma3<false, true, DK>(acc, cor, aW + so, 32, 2 * DK, bS, 16 * RS, 64);
+            float u[2][4], us[2][4];            // v_new = U - W S and sk v_new, zero past the end
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int r = r0 + g + 8 * j;
-                if (r < L) {
-                    const float* src = U + ((long long)(t0 + r) * nv + h) * dv + col0 + c0 + 2 * t;
+                const bool in = r < L;
+                const float sk = sa[r * 4 + 2];
+                const float* src = reinterpret_cast<const float*>(st + CS::U) + r * 32 + c0 + 2 * t;
 #pragma unroll
-                    for (int n = 0; n < 2; ++n) {
-                        const float2 v = *reinterpret_cast<const float2*>(src + 8 * n);
-                        u[n][2 * j] = v.x;
-                        u[n][2 * j + 1] = v.y;
-                    }
+                for (int n = 0; n < 2; ++n) {
+                    const float2 v = *reinterpret_cast<const float2*>(src + 8 * n);
+                    u[n][2 * j] = in ? v.x - (acc[n][2 * j] + cor[n][2 * j]) : 0.0f;
+                    u[n][2 * j + 1] = in ? v.y - (acc[n][2 * j + 1] + cor[n][2 * j + 1]) : 0.0f;
+                    us[n][2 * j] = in ? sk * u[n][2 * j] : 0.0f;
+                    us[n][2 * j + 1] = in ? sk * u[n][2 * j + 1] : 0.0f;
                 }
             }
-        }
-
-        float acc[2][4] = {}, cor[2][4] = {};   // q < 4: W S; q >= 4: Qs S, then + P v_new = o
-        mma3<false, DK>(acc, cor, aWQ, 32, 2 * DK, bS, 16 * RS, 64);
-        if (q < 4) {
-#pragma unroll
-            for (int n = 0; n < 2; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) u[n][i] -= acc[n][i] + cor[n][i];  // zero rows stay zero
             store_split(sV, r0, c0, u);
+            store_split(sVs, r0, c0, us);
+        } else {
+            mma3<false, false, DK>(acc, cor, aQ + so, 32, 0, bS, 16 * RS, 64);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const float sq_r = sa[(r0 + g + 8 * j) * 4 + 1];
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        acc[n][2 * j + e] = sq_r * (acc[n][2 * j + e] + cor[n][2 * j + e]);
+                        cor[n][2 * j + e] = 0.0f;
+                    }
+            }
         }
-        cp_async_wait<0>();                     // Ks, P
-        __syncthreads();                        // v_new, Ks, P ready; sW, sQ and sS are free
-        if (t0 + GDN_C < t_end) {
-            const int Ln = min(GDN_C, t_end - t0 - GDN_C);
-            load_rows(smem_addr(sW), RW, W, t0 + GDN_C, Ln, nv, h, 4 * DK, 0, DK / 4);
-            load_rows(smem_addr(sQ), RW, Qs, t0 + GDN_C, Ln, nv, h, 4 * DK, 0, DK / 4);
-        }
+        bar_sync(1, NC);                        // v_new ready; sS is free
         if (q >= 4) {
-            mma3<false, GDN_C>(acc, cor, aP, 32, 2 * GDN_C, bV, 16 * RS, 64);
+            mma3<false, true, GDN_C>(acc, cor, aP + so, 32, 2 * GDN_C, bV, 16 * RS, 64);
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int r = r0 + g + j * 8;
@@ -578,12 +664,13 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
             }
         }
         if (owner) {
+            const float decay = expf(sa[(L - 1) * 4]);
             float c2[2][4] = {};
 #pragma unroll
             for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) S[n][i] *= decay;
-            mma3<true, GDN_C>(S, c2, aK, 16 * RW, 2 * DK, bV, 16 * RS, 64);
+            mma3<true, false, GDN_C>(S, c2, aK + so, 16 * CS::RQ, 0, bVs, 16 * RS, 64);
 #pragma unroll
             for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -605,6 +692,7 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
             for (int i = 0; i < 4; ++i)
                 S_g[(long long)(q * 16 + g + (i >> 1) * 8) * dv + c0 + n * 8 + 2 * t + (i & 1)] = S[n][i];
     }
+    cluster_sync();
 }
 
 // Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
@@ -613,10 +701,10 @@ __global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_chunk_state(
 #define GDN_CHUNK_INST(DK)                                                                                   \
     template __global__ void gdn_chunk_prep<DK>(const bf16_t*, long long, const bf16_t*, long long,             \
                                                 const bf16_t*, long long, const float*, const float*, const int*, \
-                                                bf16_t*, float*, bf16_t*, bf16_t*, bf16_t*, float*, int, int, int); \
+                                                bf16_t*, float*, bf16_t*, float*, int, int, int, int);      \
     template __global__ void gdn_chunk_state<DK>(const bf16_t*, const float*, const bf16_t*, const bf16_t*,   \
-                                                 const bf16_t*, const float*, float*, const int*, const int*,  \
-                                                 const int*, const int*, bf16_t*, int, int);
+                                                 long long, const float*, float*, const int*, const int*,      \
+                                                 const int*, const int*, bf16_t*, int, int, int, int);
 GDN_CHUNK_INST(32)
 GDN_CHUNK_INST(64)
 GDN_CHUNK_INST(128)

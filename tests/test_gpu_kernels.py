@@ -11,6 +11,7 @@ from conftest import gpu_or_skip  # noqa: E402
 
 cupy = gpu_or_skip()
 
+from engine.gpu import kernels  # noqa: E402
 from engine.gpu.backend import CudaBackend  # noqa: E402
 from engine.backend_numpy import NumpyBackend  # noqa: E402
 from engine.ops import Cache  # noqa: E402
@@ -186,6 +187,15 @@ def test_delta_rule_chunked_long(be, ref, lens):
     """The chunked WY kernels at the 4B shape over many chunks: ragged batches, chunk-boundary
     lengths, decode rows riding along, non-zero initial state."""
     test_delta_rule(be, ref, lens, [0] * len(lens), 16, 32, 128, 128, cap=False)
+
+
+def test_delta_rule_chunked_without_clusters(ref, monkeypatch, tmp_path):
+    """gdn_chunk_state's portable loads (cp.async, a block per cluster: GPUs other than sm_90a) on this GPU:
+    NVRTC builds for plain sm_<cc>, so the sm_90a bulk copies compile out, and the launcher forms no clusters."""
+    monkeypatch.setattr(kernels, "target", lambda arch: f"sm_{arch}")
+    monkeypatch.setattr(kernels, "SM90A", "none")
+    monkeypatch.setenv("QWEN35_KERNEL_CACHE", str(tmp_path))
+    test_delta_rule(CudaBackend(poison=True), ref, [1, 64, 65, 300, 7], [0] * 5, 16, 32, 128, 128, cap=False)
 
 
 @pytest.mark.parametrize("T,nv,dv", [(1, 4, 64), (17, 6, 32), (3, 32, 128), (100, 48, 128)])

@@ -36,6 +36,9 @@ LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): t
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
+# gdn_chunk_state: at most this many of a head's state tiles share their loads (a cluster). At 4, 30 clusters
+# of its 227 KB blocks fit an H100 at once, not the 4B's 32 heads: 2 (66 fit) keeps a sequence in one wave.
+GDN_CLUSTER = 2
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
 PF_KEYS = kernels.define("attention_prefill.cu", "PF_KEYS")  # attn_prefill's keys per K/V stage
 GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
@@ -179,8 +182,9 @@ class CudaBackend:
         for one step's activations and logits."""
         free, total = cupy.cuda.runtime.memGetInfo()
         per_token = 4 * (4 * cfg.intermediate_size + 2 * cfg.conv_dim + 8 * cfg.hidden_size)
-        # + the chunked GDN prefill's workspace (W, Qs, Ks, P as bf16 hi/lo pairs, U, aux f32: 4 bytes an element)
-        per_token += 4 * cfg.lin_num_v_heads * (3 * cfg.lin_k_dim + cfg.lin_v_dim + GDN_C + 4)
+        # + the chunked GDN prefill's workspace (W, P as bf16 hi/lo pairs in rows padded by 16 bytes, U, aux
+        # f32: 4 bytes an element)
+        per_token += 4 * cfg.lin_num_v_heads * (cfg.lin_k_dim + cfg.lin_v_dim + GDN_C + 4 + 8)
         logits = 8 * max_num_seqs * cfg.vocab_size
         return int(free - (1 - utilization) * total - max_num_batched_tokens * per_token - logits)
 
@@ -428,24 +432,29 @@ class CudaBackend:
         cu, slots = meta.cu_seqlens[nd:], meta.slots[nd:]  # the chunked form's sequences
         save_at, save_rows = meta.save_at[nd:], meta.save_rows[nd:]
         C = GDN_C
-        W, Qs, Ks = (self._empty((T, nv, 2 * dk)) for _ in range(3))  # bf16 hi | lo pairs (gdn.cu)
-        U = self._empty((T, nv, dv), cupy.float32)
-        P = self._empty((T, nv, 2 * C))
-        aux = self._empty((T, nv, 4), cupy.float32)
+        W = self._empty((nv, T, 2 * dk + 8))  # bf16 hi | lo pairs, rows padded as the state pass stages them (gdn.cu)
+        U = self._empty((nv, dv // 32, T, 32), cupy.float32)
+        P = self._empty((nv, T, 2 * C + 8))
+        aux = self._empty((nv, T, 4), cupy.float32)
         n_chunks = -(-meta.max_new // C)
-        # prep copies q, k and v rows in 16-byte pieces; one thread per column of [W | U]
+        # prep copies q, k and v rows in 16-byte pieces, the state pass q and k rows; one thread per column of [W | U]
         assert _rs(qkv) % 8 == 0 and qkv.data.ptr % 16 == 0 and dv % 8 == 0, \
             "gdn_chunk_prep: q/k/v rows not 16-byte aligned"
         assert dk + dv <= 256, "gdn_chunk_prep: one thread per column of [W | U]"
         # the per-row scalars, then the padded raw q, k, v rows and A, or X over them (gdn.cu)
         smem = 4 * 5 * C + max(C * (2 * (dk + 8) * 2 + (dv + 8) * 2 + 4 * (C + 4)), 4 * C * (dk + dv))
         self._fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
-             (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, Qs, Ks, aux,
-              i32(nk), i32(nv), i32(dv)), shared_mem=smem)
-        rs = (2 * 32 + 8) * 2  # padded bf16 hi | lo rows of gdn.cu: S and v_new, W / Qs / Ks, P
-        smem = dk * rs + 3 * C * (2 * dk + 8) * 2 + C * (2 * C + 8) * 2 + C * rs
-        self._fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS,),
-            (W, U, P, Qs, Ks, aux, state, cu, slots, save_at, save_rows, out, i32(nv), i32(dv)), shared_mem=smem)
+             (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, aux,
+              i32(T), i32(nk), i32(nv), i32(dv)), shared_mem=smem)
+        # S, v_new, sk v_new (padded bf16 hi | lo rows), two stages of W, q, k, P, U, aux, 4 mbarriers (gdn.cu)
+        rs = (2 * 32 + 8) * 2
+        stage = C * ((2 * dk + 8) * 2 + 2 * (dk + 8) * 2 + (2 * C + 8) * 2 + 32 * 4 + 16)
+        smem = dk * rs + 2 * C * rs + 2 * stage + 32
+        tiles = dv // 32
+        cluster = max(c for c in range(1, GDN_CLUSTER + 1) if tiles % c == 0) if self.kernels.arch == kernels.SM90A else 1
+        self._fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((tiles, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
+            (W, U, P, qkv, _rs(qkv), aux, state, cu, slots, save_at, save_rows, out, i32(T), i32(nk), i32(nv),
+             i32(dv)), shared_mem=smem, cluster=cluster)
         return out
 
     def gated_rms_norm(self, o, z, w, eps):
@@ -519,7 +528,7 @@ class CudaBackend:
             return out
         bt = meta.block_tables
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
-        if (causal and not window and meta.max_new > 1 and self.kernels.arch == kernels.PREFILL_ARCH
+        if (causal and not window and meta.max_new > 1 and self.kernels.arch == kernels.SM90A
                 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0):
             if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
                 tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec)

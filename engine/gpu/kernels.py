@@ -43,7 +43,9 @@ GDN_DK = (32, 64, 128)
 ATTN_HD = (64, 128, 256)
 ATTN_G = (1, 2, 3, 4, 6, 8)
 PREFILL_HD = (64, 128, 256)
-PREFILL_ARCH = "90"  # attn_prefill is wgmma code (sm_90a); elsewhere prefill rows go to attn_fwd
+# the compute capability built as sm_90a: attn_prefill is wgmma code (elsewhere prefill rows go to attn_fwd)
+# and gdn_chunk_state shares its loads in thread-block clusters (elsewhere each block loads its own)
+SM90A = "90"
 CONV_K = (2, 3, 4)
 # gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
 # 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU); the last two variants serve only the
