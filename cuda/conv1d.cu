@@ -7,15 +7,47 @@
 #include "common.cuh"
 
 #define MAXK 8
+#define CONV_BATCH 4  // x rows a prefill thread loads at once (within one sequence)
 
 // x: [T, C] with row stride sx (a column view; sx % 8 == 0 and a 16-byte aligned base: the host copies
 // other views); w: bf16 [C, K]; state: bf16 [slots, K-1, C]; out: [T, C] contiguous. tok_seq[t]: sequence
 // of token t; cu: [B+1]; slots: [B]. C % 8 == 0.
 // A thread owns 8 channels (16-byte loads and stores) of up to TT consecutive tokens (grid.y = the token
-// tiles): it slides the K-1 previous inputs along in registers, so each x row is read once, and reloads
+// tiles): it slides the K-1 previous inputs along in registers, so each x row is read once (CONV_BATCH
+// rows loaded together where the tile lies in one sequence), and reloads
 // them (from the slot's state or x) at the tile's first token and where a new sequence starts. Prefill
 // runs TT = 16; a step of decodes and verifies TT = 1 (a verify's few tokens in parallel threads). Each
 // output sums w_j * x_j for j = 0 .. K-1 in order.
+template <int K>
+__device__ __forceinline__ void conv_window(float (&win)[K][8], const bf16_t* x, long long sx, const bf16_t* state,
+                                            long long slot, int start, int i, int C, int c) {
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {  // the K-1 inputs before token i: concat(state, x_seq)[i .. i+K-2]
+        const int m = i + j;
+        const bf16_t* p = m < K - 1 ? state + (slot * (K - 1) + m) * C + c : x + (long long)(start + m - (K - 1)) * sx + c;
+        unpack8(*reinterpret_cast<const uint4*>(p), win[j]);
+    }
+}
+
+// one token: its input row xr into the window, out = silu(sum_j w_j x_j), the window slid on
+template <int K>
+__device__ __forceinline__ void conv_token(float (&win)[K][8], const float (&wv)[K][8], uint4 xr, bf16_t* out) {
+    unpack8(xr, win[K - 1]);
+    float o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) acc += wv[j][e] * win[j][e];
+        o[e] = silu_f(acc);
+    }
+    *reinterpret_cast<uint4*>(out) = pack8(o);
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
+}
+
 template <int K>
 __global__ void __launch_bounds__(128) conv1d_fwd(
     const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, bf16_t* __restrict__ state,
@@ -37,31 +69,24 @@ __global__ void __launch_bounds__(128) conv1d_fwd(
             for (int j = 0; j < K; ++j) wv[j][e] = bf2f(wr[e * K + j]);
     }
     float win[K][8];  // win[0 .. K-2]: the inputs before token t (oldest first); win[K-1]: token t
-    for (int t = t0; t < t1; ++t) {
-        const int b = tok_seq[t], start = cu[b], i = t - start;
-        if (t == t0 || i == 0) {  // (re)load the K-1 previous inputs: concat(state, x_seq)[i .. i+K-2]
-            const long long slot = slots[b];
+    const int b0 = tok_seq[t0];
+    conv_window<K>(win, x, sx, state, slots[b0], cu[b0], t0 - cu[b0], C, c);
+    if (b0 == tok_seq[t1 - 1]) {  // the tile lies in one sequence (the usual case): rows CONV_BATCH at a time
+        for (int tg = t0; tg < t1; tg += CONV_BATCH) {
+            uint4 xr[CONV_BATCH];
 #pragma unroll
-            for (int j = 0; j < K - 1; ++j) {
-                const int m = i + j;
-                const bf16_t* p = m < K - 1 ? state + (slot * (K - 1) + m) * C + c : x + (long long)(start + m - (K - 1)) * sx + c;
-                unpack8(*reinterpret_cast<const uint4*>(p), win[j]);
-            }
+            for (int u = 0; u < CONV_BATCH; ++u)
+                if (tg + u < t1) xr[u] = *reinterpret_cast<const uint4*>(x + (long long)(tg + u) * sx + c);
+#pragma unroll
+            for (int u = 0; u < CONV_BATCH; ++u)
+                if (tg + u < t1) conv_token<K>(win, wv, xr[u], out + (long long)(tg + u) * C + c);
         }
-        unpack8(*reinterpret_cast<const uint4*>(x + (long long)t * sx + c), win[K - 1]);
-        float o[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < K; ++j) acc += wv[j][e] * win[j][e];
-            o[e] = silu_f(acc);
+    } else {
+        for (int t = t0; t < t1; ++t) {
+            const int b = tok_seq[t], start = cu[b];
+            if (t > t0 && t == start) conv_window<K>(win, x, sx, state, slots[b], start, 0, C, c);
+            conv_token<K>(win, wv, *reinterpret_cast<const uint4*>(x + (long long)t * sx + c), out + (long long)t * C + c);
         }
-        *reinterpret_cast<uint4*>(out + (long long)t * C + c) = pack8(o);
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
     }
     if (update) {  // TT = 1, one token per sequence: the window slid past it is the new state (exact bf16 inputs)
         const long long slot = slots[tok_seq[t0]];

@@ -43,32 +43,32 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_kernel(
     }
 }
 
-// One warp per (token, value head) row of dv <= 256. o, y: [T, nh*dv] contiguous; z: row stride zs
-// (a column view of the fused projection); w: f32 [dv], the plain weight.
+// A row per dv/8 lanes (dv in 32, 64, 128, 256: a power of two lanes), a 16-byte vector of o, z and y each.
+// o, y: [rows = T*nh, dv] contiguous; z: row stride zs (a column view of the fused projection; zs % 8 == 0
+// and a 16-byte aligned base); w: f32 [dv], the plain weight.
 extern "C" __global__ void __launch_bounds__(128) gated_rms_norm_kernel(
     const bf16_t* __restrict__ o, const bf16_t* __restrict__ z, long long zs, bf16_t* __restrict__ y,
     const float* __restrict__ w, int rows, int nh, int dv, float eps)
 {
     pdl_enter();
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const long long t = row / nh, h = row % nh;
-    const bf16_t* orow = o + row * (long long)dv;
-    const bf16_t* zrow = z + t * zs + h * dv;
-    bf16_t* yrow = y + row * (long long)dv;
-    float v[8];
+    const int lpr = dv >> 3, gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const int row = gid / lpr, c = (gid - row * lpr) * 8;
+    float a[8] = {};
     float ss = 0.0f;
+    if (row < rows) {
+        unpack8(*reinterpret_cast<const uint4*>(o + (long long)row * dv + c), a);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const int i = lane + 32 * k;
-        v[k] = i < dv ? bf2f(orow[i]) : 0.0f;
-        ss += v[k] * v[k];
+        for (int e = 0; e < 8; ++e) ss += a[e] * a[e];
     }
-    const float scale = rsqrtf(warp_sum(ss) / (float)dv + eps);
+    for (int m = lpr >> 1; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);  // within the row's lanes
+    if (row >= rows) return;
+    const float scale = rsqrtf(ss / (float)dv + eps);
+    const long long t = row / nh, h = row - t * nh;
+    float zz[8];
+    unpack8(*reinterpret_cast<const uint4*>(z + t * zs + h * dv + c), zz);
+    const float4 w0 = *reinterpret_cast<const float4*>(w + c), w1 = *reinterpret_cast<const float4*>(w + c + 4);
+    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const int i = lane + 32 * k;
-        if (i < dv) yrow[i] = f2bf(v[k] * scale * w[i] * silu_f(bf2f(zrow[i])));
-    }
+    for (int e = 0; e < 8; ++e) a[e] = a[e] * scale * wv[e] * silu_f(zz[e]);
+    *reinterpret_cast<uint4*>(y + (long long)row * dv + c) = pack8(a);
 }

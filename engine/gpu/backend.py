@@ -462,11 +462,13 @@ class CudaBackend:
         o = cupy.ascontiguousarray(o)
         T, W = o.shape
         nh = W // dv
-        assert dv <= 256 and w.dtype == cupy.float32
+        assert dv in (32, 64, 128, 256) and w.dtype == cupy.float32, "gated_rms_norm: dv / 8 lanes a row"
+        if z.strides[1] != 2 or z.strides[0] % 16 or z.data.ptr % 16:
+            z = cupy.ascontiguousarray(z)  # 16-byte loads
         y = self._empty((T, W))
         rows = T * nh
         if rows:
-            self._fn("norm.cu", "gated_rms_norm_kernel")(((rows + 3) // 4,), (128,),
+            self._fn("norm.cu", "gated_rms_norm_kernel")((-(-rows * dv // 8 // 128),), (128,),
                                                     (o, z, _rs(z), y, w, i32(rows), i32(nh), i32(dv), f32(eps)))
         return y
 
