@@ -511,8 +511,8 @@ __device__ __forceinline__ void chunk_load(char* st, unsigned full, int t0, int 
 #endif
 }
 
-// Grid (dv/32, nv, B), 16 consumer warps and a producer warp. On sm_90a the launcher groups a head's state
-// tiles into clusters that share one load of each chunk's W, q, k, P and aux (each tile fetching the same
+// Grid (dv/32, nv, B), 16 consumer warps and a producer warp, in clusters of CL blocks along x. On sm_90a
+// the launcher takes CL = 2 where dv/32 is even: a head's state tiles in pairs, which share one load of each chunk's W, q, k, P and aux (each tile fetching the same
 // ~120 KB per chunk from L2 was the bound: 576 -> 398 us at 8192 tokens on an H100). The consumers, as two sets of 8 that split the tile's 32
 // columns (one block per SM for the shared memory below, so the warps are what hides the mma latency): the
 // block's state tile S [DK][32] lives in registers as mma accumulators (warp w owns rows 16 (w % 8)..+15 of
@@ -522,8 +522,13 @@ __device__ __forceinline__ void chunk_load(char* st, unsigned full, int t0, int 
 // store it, while the owners update S = e^gam_last S + k^T (sk v_new). The producer fills one stage while
 // the consumers read the other: `full` counts a stage's bytes in, `empty` the CTAs of the cluster done with it.
 #define GDN_STATE_WARPS 16
-template <int DK>
-__global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) gdn_chunk_state(
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GDN_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)  // fixed at compile time: a plain launch forms them
+#else
+#define GDN_CLUSTER_DIMS(n)
+#endif
+template <int DK, int CL>
+__global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(CL) gdn_chunk_state(
     const bf16_t* __restrict__ W, const float* __restrict__ U, const bf16_t* __restrict__ P,
     const bf16_t* __restrict__ qkv, long long sq, const float* __restrict__ aux, float* state,
     const int* __restrict__ cu, const int* __restrict__ slots, const int* __restrict__ save_at,
@@ -702,9 +707,12 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) gdn_chunk_state(
     template __global__ void gdn_chunk_prep<DK>(const bf16_t*, long long, const bf16_t*, long long,             \
                                                 const bf16_t*, long long, const float*, const float*, const int*, \
                                                 bf16_t*, float*, bf16_t*, float*, int, int, int, int);      \
-    template __global__ void gdn_chunk_state<DK>(const bf16_t*, const float*, const bf16_t*, const bf16_t*,   \
-                                                 long long, const float*, float*, const int*, const int*,      \
-                                                 const int*, const int*, bf16_t*, int, int, int, int);
+    template __global__ void gdn_chunk_state<DK, 1>(const bf16_t*, const float*, const bf16_t*, const bf16_t*, \
+                                                    long long, const float*, float*, const int*, const int*,    \
+                                                    const int*, const int*, bf16_t*, int, int, int, int);       \
+    template __global__ void gdn_chunk_state<DK, 2>(const bf16_t*, const float*, const bf16_t*, const bf16_t*, \
+                                                    long long, const float*, float*, const int*, const int*,    \
+                                                    const int*, const int*, bf16_t*, int, int, int, int);
 GDN_CHUNK_INST(32)
 GDN_CHUNK_INST(64)
 GDN_CHUNK_INST(128)

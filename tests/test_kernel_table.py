@@ -54,5 +54,6 @@ def test_needed_programs_exist(tiny_dir, tiny3_dir):
         for inv in (False, True):
             progs = kernels.needed(cfg, inv)
             assert all(inst is None or inst in kernels.INSTANCES[f] for f, inst in progs)
-            assert any(inst == f"gdn_chunk_state<{cfg.lin_k_dim}>" for _, inst in progs)
+            insts = {inst for _, inst in progs}
+            assert all(f"gdn_chunk_state<{cfg.lin_k_dim}, {c}>" in insts for c in kernels.GDN_CLUSTERS)
             assert any(inst == "gemm_inv<1>" for _, inst in progs) == inv

@@ -36,9 +36,6 @@ LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): t
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
-# gdn_chunk_state: at most this many of a head's state tiles share their loads (a cluster). At 4, 30 clusters
-# of its 227 KB blocks fit an H100 at once, not the 4B's 32 heads: 2 (66 fit) keeps a sequence in one wave.
-GDN_CLUSTER = 2
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
 PF_KEYS = kernels.define("attention_prefill.cu", "PF_KEYS")  # attn_prefill's keys per K/V stage
 GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
@@ -450,11 +447,11 @@ class CudaBackend:
         rs = (2 * 32 + 8) * 2
         stage = C * ((2 * dk + 8) * 2 + 2 * (dk + 8) * 2 + (2 * C + 8) * 2 + 32 * 4 + 16)
         smem = dk * rs + 2 * C * rs + 2 * stage + 32
-        tiles = dv // 32
-        cluster = max(c for c in range(1, GDN_CLUSTER + 1) if tiles % c == 0) if self.kernels.arch == kernels.SM90A else 1
-        self._fn("gdn.cu", f"gdn_chunk_state<{dk}>", smem)((tiles, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
+        tiles = dv // 32  # in clusters that share their loads on sm_90a (gdn.cu), of a size that divides them
+        cl = max(c for c in kernels.GDN_CLUSTERS if tiles % c == 0) if self.kernels.arch == kernels.SM90A else 1
+        self._fn("gdn.cu", f"gdn_chunk_state<{dk}, {cl}>", smem)((tiles, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
             (W, U, P, qkv, _rs(qkv), aux, state, cu, slots, save_at, save_rows, out, i32(T), i32(nk), i32(nv),
-             i32(dv)), shared_mem=smem, cluster=cluster)
+             i32(dv)), shared_mem=smem)
         return out
 
     def gated_rms_norm(self, o, z, w, eps):

@@ -46,6 +46,9 @@ PREFILL_HD = (64, 128, 256)
 # the compute capability built as sm_90a: attn_prefill is wgmma code (elsewhere prefill rows go to attn_fwd)
 # and gdn_chunk_state shares its loads in thread-block clusters (elsewhere each block loads its own)
 SM90A = "90"
+# gdn_chunk_state's cluster sizes (compiled in): 2 pairs a head's state tiles on sm_90a. At 4, 30 clusters of
+# its 227 KB blocks fit an H100 at once, not the 4B's 32 heads; 2 (66 fit) keeps a sequence in one wave.
+GDN_CLUSTERS = (1, 2)
 CONV_K = (2, 3, 4)
 # gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
 # 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU); the last two variants serve only the
@@ -66,7 +69,8 @@ def _gemv_names(variants) -> list[str]:
 
 
 INSTANCES = {
-    "gdn.cu": [f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state") for d in GDN_DK],
+    "gdn.cu": ([f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep") for d in GDN_DK]
+               + [f"gdn_chunk_state<{d}, {c}>" for d in GDN_DK for c in GDN_CLUSTERS]),
     "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
     "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
     "gemv.cu": _gemv_names(GEMV_VARIANTS) + ["gemm_inv<0>", "gemm_inv<1>"],
@@ -99,7 +103,8 @@ def needed(cfg, batch_invariant: bool) -> list[tuple[str, str | None]]:
     G = cfg.num_heads // cfg.num_kv_heads
     gemv = [v for v in GEMV_VARIANTS if batch_invariant or v not in GEMV_INVARIANT_ONLY]
     want = {
-        "gdn.cu": [f"{k}<{cfg.lin_k_dim}>" for k in ("gdn_recurrent", "gdn_chunk_prep", "gdn_chunk_state")],
+        "gdn.cu": ([f"{k}<{cfg.lin_k_dim}>" for k in ("gdn_recurrent", "gdn_chunk_prep")]
+                   + [f"gdn_chunk_state<{cfg.lin_k_dim}, {c}>" for c in GDN_CLUSTERS]),
         "attention.cu": [f"attn_fwd<{cfg.head_dim}, {G}>"],
         "attention_prefill.cu": [f"attn_prefill<{cfg.head_dim}>"] if cfg.head_dim in PREFILL_HD else [],
         "gemv.cu": _gemv_names(gemv) + (["gemm_inv<0>", "gemm_inv<1>"]

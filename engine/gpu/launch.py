@@ -11,8 +11,7 @@ everything before it as always.
 
 PDL launches are used inside `with pdl():`: DecodeGraphs wraps its captures in it (the launches
 are recorded once and replayed; the ctypes call here is slower on the host than CuPy's own launch, which
-eager steps keep). CuPy's launch API takes no launch attributes, hence cuLaunchKernelEx through ctypes,
-which launches in thread-block clusters also need, in any mode.
+eager steps keep). CuPy's launch API takes no launch attributes, hence cuLaunchKernelEx through ctypes.
 QWEN35_PDL=0 turns it off everywhere (A/B timing).
 """
 from __future__ import annotations
@@ -24,8 +23,7 @@ import os
 import cupy
 import numpy as np
 
-_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID values
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
@@ -82,21 +80,14 @@ class Kernel:
         self.fn = fn  # a cupy.RawKernel (RawModule.get_function)
         self.ptr = fn.kernel.ptr  # its CUfunction
 
-    def __call__(self, grid, block, args, shared_mem: int = 0, cluster: int = 1):
-        """cluster: CTAs per thread-block cluster along x (sm_90+; grid[0] a multiple of it)."""
-        if not _state["on"] and cluster == 1:
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        if not _state["on"]:
             return self.fn(grid, block, args, shared_mem=shared_mem)
         grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-        attrs = (_Attr * 2)()
-        n = 0
-        if _state["on"]:
-            attrs[n].id, attrs[n].value[0] = _PROGRAMMATIC_STREAM_SERIALIZATION, 1
-            n += 1
-        if cluster > 1:
-            attrs[n].id, attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = _CLUSTER_DIMENSION, cluster, 1, 1
-            n += 1
+        attr = _Attr(_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
         cfg = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                      cupy.cuda.get_current_stream().ptr, attrs, n)
+                      cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
         vals = [_arg(a) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         err = _lib().cuLaunchKernelEx(ctypes.byref(cfg), self.ptr, params, None)
