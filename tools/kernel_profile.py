@@ -3,7 +3,8 @@ CUDA-graph decode step of B sequences, on the 4b shapes with random weights (ben
 
 Per scenario: each kernel's calls and device microseconds per forward (CUPTI activity records through
 torch.profiler, which only this tool needs; the GPU machine has torch), its share of the kernels' total,
-and the forward's own time between device events beside that total. Kernels run without programmatic
+the forward's own time between device events beside that total, and the host's time to enqueue it (when
+that nears the device's, the forward waits on the host). Kernels run without programmatic
 dependent launch (QWEN35_PDL=0, set here): with it each kernel's span would include its wait for the one
 before. Writes JSON ($OUT/kernel_profile.json when OUT is set).
 
@@ -30,7 +31,7 @@ from engine.gpu.decode_graph import DecodeGraphs  # noqa: E402
 from engine.step import Step  # noqa: E402
 from tools.bench_decode import BS, random_model  # noqa: E402
 from tools.run_meta import device_name  # noqa: E402
-from tools.step_timer import time_per_call  # noqa: E402
+from tools.step_timer import host_per_call, time_per_call  # noqa: E402
 
 
 def kernel_name(raw: str) -> str:
@@ -57,11 +58,11 @@ def profile(fn, reps: int) -> dict[str, tuple[float, float]]:
     return {k: (n / reps, t / reps) for k, (n, t) in agg.items()}
 
 
-def report(title: str, kernels: dict, wall_ms: float, top: int) -> dict:
+def report(title: str, kernels: dict, wall_ms: float, host_ms: float, top: int) -> dict:
     total = sum(t for _, t in kernels.values())
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     print(f"\n{title}: forward {wall_ms:.3f} ms between events, kernels {total / 1e3:.3f} ms "
-          f"({sum(n for n, _ in kernels.values()):.0f} launches)")
+          f"({sum(n for n, _ in kernels.values()):.0f} launches), host {host_ms:.3f} ms to enqueue")
     print(f"{'kernel':70s} {'calls':>6} {'us':>9} {'share':>6}")
     for name, (n, t) in rows[:top]:
         print(f"{name[:70]:70s} {n:6.0f} {t:9.1f} {t / total:6.1%}")
@@ -69,7 +70,7 @@ def report(title: str, kernels: dict, wall_ms: float, top: int) -> dict:
         rest = rows[top:]
         print(f"{'(' + str(len(rest)) + ' more)':70s} {sum(n for _, (n, _) in rest):6.0f} "
               f"{sum(t for _, (_, t) in rest):9.1f} {sum(t for _, (_, t) in rest) / total:6.1%}")
-    return dict(scenario=title, wall_ms=wall_ms, kernels_ms=total / 1e3,
+    return dict(scenario=title, wall_ms=wall_ms, kernels_ms=total / 1e3, host_ms=host_ms,
                 kernels=[dict(name=k, calls=n, us=t) for k, (n, t) in rows])
 
 
@@ -97,8 +98,10 @@ def main(argv=None) -> None:
     for L in lengths:  # slot nmax + 1, the pages after the decode sequences'
         pages = list(range(1 + nmax * need, 1 + nmax * need + -(-L // BS)))
         st = Step.build([(list(rng.integers(0, 248000, L)), 0, nmax + 1, pages)])
-        wall = time_per_call(lambda: model.forward(st, cache), model.ops, a.reps) * 1e3
-        out.append(report(f"prefill {L} tokens", profile(lambda: model.forward(st, cache), a.reps), wall, a.top))
+        fwd = lambda: model.forward(st, cache)  # noqa: E731
+        wall = time_per_call(fwd, model.ops, a.reps) * 1e3
+        host = host_per_call(fwd, model.ops, a.reps) * 1e3
+        out.append(report(f"prefill {L} tokens", profile(fwd, a.reps), wall, host, a.top))
     if batches:
         graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0,
                               max_blocks_per_seq=max(need, -(-a.max_model_len // BS)))
@@ -106,9 +109,10 @@ def main(argv=None) -> None:
             st = Step.build([([int(rng.integers(0, 248000))], a.ctx, i + 1,
                               list(range(1 + i * need, 1 + (i + 1) * need))) for i in range(B)])
             graphs.capture(graphs.bucket_for(B))
-            wall = time_per_call(lambda: graphs.run(st), model.ops, 20) * 1e3
-            out.append(report(f"decode graph batch {B}, ctx {a.ctx}", profile(lambda: graphs.run(st), a.reps * 4),
-                              wall, a.top))
+            run = lambda: graphs.run(st)  # noqa: E731
+            wall = time_per_call(run, model.ops, 20) * 1e3
+            host = host_per_call(run, model.ops, 20) * 1e3
+            out.append(report(f"decode graph batch {B}, ctx {a.ctx}", profile(run, a.reps * 4), wall, host, a.top))
     path = a.json or (os.path.join(os.environ["OUT"], "kernel_profile.json") if os.environ.get("OUT")
                       else "kernel_profile.json")
     Path(path).write_text(json.dumps(dict(preset=a.preset, device=device_name(model.ops), pdl=False,
