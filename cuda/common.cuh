@@ -158,12 +158,12 @@ __device__ __forceinline__ void cluster_sync() {
 }
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // generic-proxy writes to shared memory before it, ordered before async-proxy (bulk copy) accesses after it
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// one arrival on the mbarrier at shared offset `bar` of cluster CTA `rank`; relaxed (a release is a MEMBAR
-// per call): for a "done reading" signal whose reads are complete, their values consumed
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+// one arrival on the mbarrier at shared offset `bar` of cluster CTA `rank` (release at CTA scope, as
+// CUTLASS's consumer release: .relaxed needs PTX 8.6, .release.cluster is a MEMBAR per call)
 __device__ __forceinline__ void mbar_arrive_at(unsigned bar, unsigned rank) {
     asm volatile("{\n\t.reg .b32 r;\n\tmapa.shared::cluster.u32 r, %0, %1;\n"
-                 "\tmbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [r];\n}" ::"r"(bar), "r"(rank) : "memory");
+                 "\tmbarrier.arrive.shared::cluster.b64 _, [r];\n}" ::"r"(bar), "r"(rank) : "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
@@ -180,7 +180,8 @@ __device__ __forceinline__ void bulk_copy_mc(unsigned dst, const void* src, unsi
 #else
 __device__ __forceinline__ unsigned cluster_rank() { return 0; }
 __device__ __forceinline__ unsigned cluster_size() { return 1; }
-__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+// every thread of the block, also from different places in the code (barrier.sync without .aligned)
+__device__ __forceinline__ void cluster_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
 __device__ __forceinline__ void mbar_init_fence() {}
 __device__ __forceinline__ void fence_proxy_async() {}
 __device__ __forceinline__ void mbar_arrive_at(unsigned bar, unsigned) {

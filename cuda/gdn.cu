@@ -520,8 +520,14 @@ __device__ __forceinline__ void chunk_load(char* st, unsigned full, int t0, int 
 // chunk, with q = w % 8: warps q < 4 compute W S (rows 16q..), q >= 4 q S; the first turn theirs into
 // v_new = U - W S (split into shared memory, plain and scaled by sk); then the second add P v_new to o and
 // store it, while the owners update S = e^gam_last S + k^T (sk v_new). The producer fills one stage while
-// the consumers read the other: `full` counts a stage's bytes in, `empty` the CTAs of the cluster done with it.
+// the consumers read the other (GDN_STAGES = 2; one stage elsewhere): `full` counts a stage's bytes in,
+// `empty` the CTAs of the cluster done with it.
 #define GDN_STATE_WARPS 16
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GDN_STAGES 2  // 227 KB at DK 128: Hopper's shared memory (the host mirrors this per arch)
+#else
+#define GDN_STAGES 1  // 132 KB at DK 128 (A100: 164 KB); loads then wait for the chunk before
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GDN_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)  // fixed at compile time: a plain launch forms them
 #else
@@ -541,15 +547,15 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(C
     char* sS = smem_c;                          // [DK][RS]   S
     char* sV = sS + DK * RS;                    // [64][RS]   v_new
     char* sVs = sV + GDN_C * RS;                // [64][RS]   sk v_new
-    char* stage = sVs + GDN_C * RS;             // 2 x ChunkStage
-    const unsigned full = smem_addr(stage + 2 * CS::BYTES), empty = full + 16;  // 2 mbarriers each
+    char* stage = sVs + GDN_C * RS;             // GDN_STAGES x ChunkStage
+    const unsigned full = smem_addr(stage + GDN_STAGES * CS::BYTES), empty = full + 16;  // mbarriers per stage
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x, col0 = tile * 32, h = blockIdx.y, seq = blockIdx.z;
     const int t_beg = cu[seq], t_end = cu[seq + 1], n_chunks = (t_end - t_beg + GDN_C - 1) / GDN_C;
     const unsigned n_cta = cluster_size();
 
-    for (int i = threadIdx.x; i < 2 * GDN_C * CS::RQ / 16; i += blockDim.x) {  // k rows: finite past the end
+    for (int i = threadIdx.x; i < GDN_STAGES * GDN_C * CS::RQ / 16; i += blockDim.x) {  // k rows: finite past the end
         const int s = i / (GDN_C * CS::RQ / 16), j = i - s * (GDN_C * CS::RQ / 16);
         reinterpret_cast<uint4*>(stage + s * CS::BYTES + CS::K)[j] = make_uint4(0, 0, 0, 0);
     }
@@ -560,7 +566,7 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(C
 #else
         const unsigned full_arrivals = 32;      // the producer lanes' cp.async completions
 #endif
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < GDN_STAGES; ++s) {
             mbar_init(full + 8 * s, full_arrivals);
             mbar_init(empty + 8 * s, n_cta);
         }
@@ -570,11 +576,13 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(C
     if (warp == GDN_STATE_WARPS) {              // the producer
         cluster_sync();                         // every CTA's barriers and zeros are in place
         for (int c = 0; c < n_chunks; ++c) {
-            const int s = c & 1, t0 = t_beg + c * GDN_C;
-            if (c >= 2) mbar_wait(empty + 8 * s, ((c >> 1) - 1) & 1);  // chunk c - 2 released everywhere
+            const int s = c % GDN_STAGES, t0 = t_beg + c * GDN_C;
+            if (c >= GDN_STAGES)  // the stage's last chunk released everywhere
+                mbar_wait(empty + 8 * s, (c / GDN_STAGES - 1) & 1);
             chunk_load<DK>(stage + s * CS::BYTES, full + 8 * s, t0, min(GDN_C, t_end - t0), W, U, P, qkv, sq, aux,
                            T, nk, nv, dv, h, tile);
         }
+        __syncwarp();
         cluster_sync();                         // no CTA exits while a peer may still signal its barriers
         return;
     }
@@ -611,13 +619,13 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(C
     cluster_sync();
 
     for (int c = 0; c < n_chunks; ++c) {
-        const int t0 = t_beg + c * GDN_C, L = min(GDN_C, t_end - t0), s = c & 1;
+        const int t0 = t_beg + c * GDN_C, L = min(GDN_C, t_end - t0), s = c % GDN_STAGES;
         const char* st = stage + s * CS::BYTES;
         const unsigned so = s * CS::BYTES;
         bar_sync(1, NC);                        // last chunk's S is in sS, its readers of sV / sVs are done
         if (c > 0 && threadIdx.x < n_cta)       // ... and of its stage: tell every producer of the cluster
-            mbar_arrive_at(empty + 8 * ((c - 1) & 1), threadIdx.x);
-        mbar_wait(full + 8 * s, (c >> 1) & 1);  // this chunk's operands have landed
+            mbar_arrive_at(empty + 8 * ((c - 1) % GDN_STAGES), threadIdx.x);
+        mbar_wait(full + 8 * s, (c / GDN_STAGES) & 1);  // this chunk's operands have landed
         const float* sa = reinterpret_cast<const float*>(st + CS::AUX);  // (gam, sq, sk, 0) per row
         float acc[2][4] = {}, cor[2][4] = {};   // q < 4: W S; q >= 4: q S, then sq (q S) + P v_new = o
         if (q < 4) {
