@@ -178,7 +178,6 @@ __device__ __forceinline__ void bulk_copy_mc(unsigned dst, const void* src, unsi
                  " [%0], [%1], %2, [%3], %4;" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
 }
 #else
-__device__ __forceinline__ unsigned cluster_rank() { return 0; }
 __device__ __forceinline__ unsigned cluster_size() { return 1; }
 // every thread of the block, also from different places in the code (barrier.sync without .aligned)
 __device__ __forceinline__ void cluster_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }

@@ -444,12 +444,14 @@ class CudaBackend:
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, aux,
               i32(T), i32(nk), i32(nv), i32(dv)), shared_mem=smem)
         # S, v_new, sk v_new (padded bf16 hi | lo rows), the stages of W, q, k, P, U, aux (GDN_STAGES: two on
-        # sm_90a, else one), 4 mbarriers (gdn.cu)
+        # sm_90a, else one), 4 mbarriers (gdn.cu); on sm_90a the state tiles run in clusters that share their
+        # loads, of a size that divides them
+        hopper = self.kernels.arch == kernels.SM90A
         rs = (2 * 32 + 8) * 2
         stage = C * ((2 * dk + 8) * 2 + 2 * (dk + 8) * 2 + (2 * C + 8) * 2 + 32 * 4 + 16)
-        smem = dk * rs + 2 * C * rs + (2 if self.kernels.arch == kernels.SM90A else 1) * stage + 32
-        tiles = dv // 32  # in clusters that share their loads on sm_90a (gdn.cu), of a size that divides them
-        cl = max(c for c in kernels.GDN_CLUSTERS if tiles % c == 0) if self.kernels.arch == kernels.SM90A else 1
+        smem = dk * rs + 2 * C * rs + (2 if hopper else 1) * stage + 32
+        tiles = dv // 32
+        cl = max(c for c in kernels.GDN_CLUSTERS if tiles % c == 0) if hopper else 1
         self._fn("gdn.cu", f"gdn_chunk_state<{dk}, {cl}>", smem)((tiles, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
             (W, U, P, qkv, _rs(qkv), aux, state, cu, slots, save_at, save_rows, out, i32(T), i32(nk), i32(nv),
              i32(dv)), shared_mem=smem)
