@@ -374,8 +374,8 @@ template __global__ void gemm_inv<1>(const bf16_t*, long long, const bf16_t*, vo
     template __global__ void gemv_bf16<MT, R, U, PF, 1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
 #define GEMV_INST_SWIGLU(MT, R, U, PF)                                                                       \
     template __global__ void gemv_bf16<MT, R, U, PF, 2>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
-GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 2, 0) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)
-GEMV_INST_SWIGLU(1, 1, 4, 1) GEMV_INST_SWIGLU(2, 1, 2, 0) GEMV_INST_SWIGLU(1, 1, 2, 0) GEMV_INST_SWIGLU(1, 2, 2, 0)
+GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 4, 1) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)
+GEMV_INST_SWIGLU(1, 1, 4, 1) GEMV_INST_SWIGLU(2, 1, 4, 1) GEMV_INST_SWIGLU(1, 1, 2, 0) GEMV_INST_SWIGLU(1, 2, 2, 0)
 GEMV_INST_SWIGLU(2, 2, 2, 0)
 GEMV_INST(4, 1, 2, 0) GEMV_INST(8, 1, 1, 0)  // batch-invariant decode buckets of 17..64 rows (no SwiGLU form)
 #endif

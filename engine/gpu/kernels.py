@@ -53,7 +53,7 @@ CONV_K = (2, 3, 4)
 # gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
 # 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU); the last two variants serve only the
 # batch-invariant decode buckets of 17..64 rows (no SwiGLU form: the backend runs those as OUT = 0 + silu_mul)
-GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 2, 0), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
+GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 4, 1), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
 GEMV_INVARIANT_ONLY = ((4, 1, 2, 0), (8, 1, 1, 0))
 
 

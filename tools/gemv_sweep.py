@@ -1,0 +1,72 @@
+"""Sweep every gemv_bf16 variant (MT, R, U, PF) and warp count at the 4B decode shapes against the plan
+engine/gpu/gemv_plan.py picks: how its table was checked (docs/benchmarks/session13-h100.md).
+
+Each configuration runs 16 back-to-back calls captured in one CUDA graph (no PDL), cycling over weight
+copies of >= 400 MB so W comes from HBM. A warp count other than the plan's changes the summation order,
+hence the bits (gemv_nw): only the variants are free choices.
+
+    python3 tools/gemv_sweep.py --rows 1,4,16 --json gemv_sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from bench_kernels import bits, graph_ms  # noqa: E402
+from engine.gpu.backend import CudaBackend  # noqa: E402
+from engine.gpu.gemv_plan import gemv_plan  # noqa: E402
+from engine.gpu.kernels import gemv_name  # noqa: E402
+
+SHAPES = (("down", 2560, 9216, 0), ("o_proj", 2560, 4096, 0), ("in_proj", 12352, 2560, 0),
+          ("gate_up", 18432, 2560, 2), ("qkv", 10240, 2560, 0))
+VARIANTS = [(mt, r, u, pf) for mt in (1, 2) for r in (1, 2) for u in (2, 4, 8) for pf in (0, 1)
+            if pf == 0 or (r, u) == (1, 4)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,4,16", help="M values (<= 16)")
+    ap.add_argument("--json", default="gemv_sweep.json")
+    a = ap.parse_args(argv)
+    be = CudaBackend()
+    i32, i64 = np.int32, np.int64
+    be.kernels.prefetch([("gemv.cu", gemv_name(*v, o)) for v in VARIANTS for o in (0, 2)])
+    rows = []
+    for shape, N, K, out in SHAPES:
+        ws = [bits(N, K, scale=K ** -0.5) for _ in range(max(1, -(-400_000_000 // (N * K * 2))))]
+        for M in (int(m) for m in a.rows.split(",")):
+            x, y = bits(M, K), cupy.empty((M, N // 2 if out == 2 else N), cupy.uint16)
+            plan = gemv_plan(M, N, K, out)[:3]
+            res = []
+            for (mt, r, u, pf), nw in itertools.product(VARIANTS, (4, 8, 16)):
+                if not (mt == 1 and M <= 8 or mt == 2 and 8 < M <= 16):
+                    continue
+                name, blocks, smem = gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw * 16 * r * 8 * mt * 4
+                fn = be.kernels.fn("gemv.cu", name, smem)
+                if fn.fn.num_regs * 32 * nw > 65536:  # would not launch
+                    continue
+                ms = graph_ms(lambda i: fn((blocks,), (32 * nw,), (x, i64(K), ws[i % len(ws)], y, i32(M), i32(N),
+                                                                   i32(K)), shared_mem=smem))
+                res.append(dict(kernel=name, warps=nw, us=ms * 1e3, gbs=N * K * 2 / ms / 1e6,
+                                plan=(name, blocks, nw) == plan))
+            res.sort(key=lambda e: e["us"])
+            cur = next(e for e in res if e["plan"])
+            best = res[0]
+            print(f"{shape:8s} M={M:2d}  plan {cur['kernel']} x{cur['warps']}: {cur['us']:7.2f} us "
+                  f"({cur['gbs']:4.0f} GB/s)  best {best['kernel']} x{best['warps']}: {best['us']:7.2f} us", flush=True)
+            rows.append(dict(shape=shape, N=N, K=K, M=M, configs=res))
+        del ws
+    Path(a.json).write_text(json.dumps(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                            rows=rows), indent=1))
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
