@@ -21,7 +21,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from bench_kernels import bits, graph_ms  # noqa: E402
 from engine.gpu.backend import CudaBackend  # noqa: E402
-from engine.gpu.gemv_plan import gemv_plan  # noqa: E402
+from engine.gpu.gemv_plan import gemv_launch, gemv_plan  # noqa: E402
 from engine.gpu.kernels import gemv_name  # noqa: E402
 
 SHAPES = (("down", 2560, 9216, 0), ("o_proj", 2560, 4096, 0), ("in_proj", 12352, 2560, 0),
@@ -43,19 +43,19 @@ def main(argv=None) -> None:
         ws = [bits(N, K, scale=K ** -0.5) for _ in range(max(1, -(-400_000_000 // (N * K * 2))))]
         for M in (int(m) for m in a.rows.split(",")):
             x, y = bits(M, K), cupy.empty((M, N // 2 if out == 2 else N), cupy.uint16)
-            plan = gemv_plan(M, N, K, out)[:3]
+            plan = gemv_plan(M, N, K, out)
             res = []
-            for (mt, r, u, pf), nw in itertools.product(VARIANTS, (4, 8, 16)):
-                if not (mt == 1 and M <= 8 or mt == 2 and 8 < M <= 16):
+            for v, nw in itertools.product(VARIANTS, (4, 8, 16)):
+                if not (v[0] == 1 and M <= 8 or v[0] == 2 and 8 < M <= 16):  # MT: x tiles of 8 rows
                     continue
-                name, blocks, smem = gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw * 16 * r * 8 * mt * 4
+                name, blocks, nw, smem = launch = gemv_launch(v, out, N, nw)
                 fn = be.kernels.fn("gemv.cu", name, smem)
                 if fn.fn.num_regs * 32 * nw > 65536:  # would not launch
                     continue
                 ms = graph_ms(lambda i: fn((blocks,), (32 * nw,), (x, i64(K), ws[i % len(ws)], y, i32(M), i32(N),
                                                                    i32(K)), shared_mem=smem))
                 res.append(dict(kernel=name, warps=nw, us=ms * 1e3, gbs=N * K * 2 / ms / 1e6,
-                                plan=(name, blocks, nw) == plan))
+                                plan=launch == plan))
             res.sort(key=lambda e: e["us"])
             cur = next(e for e in res if e["plan"])
             best = res[0]

@@ -35,5 +35,10 @@ def gemv_plan(M: int, N: int, K: int, out: int) -> tuple[str, int, int, int]:
         v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
     else:
         v = (1, 1, 4, 1) if M <= 8 else (2, 1, 4, 1)
+    return gemv_launch(v, out, N, nw)
+
+
+def gemv_launch(v: tuple[int, int, int, int], out: int, N: int, nw: int) -> tuple[str, int, int, int]:
+    """(kernel, blocks, warps per block, shared bytes) of variant v = (MT, R, U, PF) with nw warps a block."""
     mt, r, u, pf = v
     return gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw, nw * 16 * r * 8 * mt * 4
