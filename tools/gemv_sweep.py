@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 
 import cupy
-import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from bench_kernels import bits, graph_ms  # noqa: E402
-from engine.gpu.backend import CudaBackend  # noqa: E402
+from engine.gpu.backend import CudaBackend, i32, i64  # noqa: E402
 from engine.gpu.gemv_plan import gemv_launch, gemv_plan  # noqa: E402
 from engine.gpu.kernels import gemv_name  # noqa: E402
 
@@ -36,7 +35,6 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default="gemv_sweep.json")
     a = ap.parse_args(argv)
     be = CudaBackend()
-    i32, i64 = np.int32, np.int64
     be.kernels.prefetch([("gemv.cu", gemv_name(*v, o)) for v in VARIANTS for o in (0, 2)])
     rows = []
     for shape, N, K, out in SHAPES:
@@ -46,7 +44,7 @@ def main(argv=None) -> None:
             plan = gemv_plan(M, N, K, out)
             res = []
             for v, nw in itertools.product(VARIANTS, (4, 8, 16)):
-                if not (v[0] == 1 and M <= 8 or v[0] == 2 and 8 < M <= 16):  # MT: x tiles of 8 rows
+                if v[0] != -(-M // 8):  # MT: the x tiles of 8 rows that M needs
                     continue
                 name, blocks, nw, smem = launch = gemv_launch(v, out, N, nw)
                 fn = be.kernels.fn("gemv.cu", name, smem)
