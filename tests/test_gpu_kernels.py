@@ -119,21 +119,37 @@ def _proj(rng, T, C, extra):
     return rnd(rng, T, C + extra)
 
 
-@pytest.mark.parametrize("lens,bases", MIXED, ids=MIXED_IDS)
-@pytest.mark.parametrize("C", [384, 320, 8192])
-def test_conv1d(be, ref, lens, bases, C):
+def _check_conv1d(be, ref, lens, bases, C):
     rng = np.random.default_rng(sum(lens) + C)
-    step = make_step(rng, lens, bases, 64, 16)
+    slots = len(lens) + 4
+    step = make_step(rng, lens, bases, 64, 16, num_slots=slots)
     T = sum(lens)
     proj = _proj(rng, T, C, 268)
     w = rnd(rng, C, 4, scale=0.5)
-    st = rnd(rng, 8, 3, C)
+    st = rnd(rng, slots, 3, C)
     st_np = st.np.copy()
     want = ref.conv1d(proj.np[:, :C], w.np, st_np, ref.prepare(step, _C()))
     st_dev = st.dev.copy()
     got = be.conv1d(proj.dev[:, :C], w.dev, st_dev, be.prepare(step, be_cache()))
     assert rel(be.to_host(got), want) <= BF16_TOL
     assert rel(be.to_host(st_dev), st_np) == 0.0  # the state is a copy of bf16 inputs
+
+
+@pytest.mark.parametrize("lens,bases", MIXED, ids=MIXED_IDS)
+@pytest.mark.parametrize("C", [384, 320, 8192])
+def test_conv1d(be, ref, lens, bases, C):
+    _check_conv1d(be, ref, lens, bases, C)
+
+
+# The backend halves conv1d_fwd's tokens per thread (16) until the grid has two blocks per SM; at the 4B's
+# 8192 channels on 132 SMs these take 16 (one prompt; 16 decodes beside a long chunk: a 16-sequence tile),
+# 8, and 2 (16 decodes beside 64 prompt tokens) tokens per thread.
+CONV_TILES = [([600], [0]), ([1] * 16 + [530], [5] * 16 + [0]), ([300], [7]), ([1] * 16 + [64], [9] * 16 + [0])]
+
+
+@pytest.mark.parametrize("lens,bases", CONV_TILES, ids=["prompt600", "16dec+530", "prompt300", "16dec+64"])
+def test_conv1d_tiles(be, ref, lens, bases):
+    _check_conv1d(be, ref, lens, bases, 8192)
 
 
 def test_conv1d_prefill_handoff(be):

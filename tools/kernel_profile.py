@@ -1,4 +1,5 @@
-"""Where a forward's device time goes, kernel by kernel: an eager prefill of one sequence of L tokens and a
+"""Where a forward's device time goes, kernel by kernel: an eager prefill of one sequence of L tokens, an eager
+mixed step (D decode rows beside one prompt chunk of P tokens, as chunked prefill runs under decode load) and a
 CUDA-graph decode step of B sequences, on the 4b shapes with random weights (bench_decode.random_model).
 
 Per scenario: each kernel's calls and device microseconds per forward (CUPTI activity records through
@@ -8,8 +9,8 @@ that nears the device's, the forward waits on the host). Kernels run without pro
 dependent launch (QWEN35_PDL=0, set here): with it each kernel's span would include its wait for the one
 before. Writes JSON ($OUT/kernel_profile.json when OUT is set).
 
-  python3 tools/kernel_profile.py [--prefill 1024,8192] [--decode-batches 1,16,64] [--ctx 1024]
-      [--max-model-len 8464] [--reps 5] [--top 25] [--json PATH]
+  python3 tools/kernel_profile.py [--prefill 1024,8192] [--mixed 64,256 --mixed-decodes 16]
+      [--decode-batches 1,16,64] [--ctx 1024] [--max-model-len 8464] [--reps 5] [--top 25] [--json PATH]
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="4b")
     ap.add_argument("--prefill", default="1024,8192", help="prompt lengths (one sequence each); '' for none")
+    ap.add_argument("--mixed", default="", help="prompt chunk lengths of eager mixed steps; '' (default) for none")
+    ap.add_argument("--mixed-decodes", type=int, default=16, help="decode rows of each mixed step")
     ap.add_argument("--decode-batches", default="1,16,64", help="decode graph batch sizes; '' for none")
     ap.add_argument("--ctx", type=int, default=1024, help="the decode sequences' context")
     ap.add_argument("--max-model-len", type=int, default=8464, help="the decode graphs' context bound")
@@ -87,11 +90,12 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.prefill.split(",") if x]
     batches = [int(x) for x in a.decode_batches.split(",") if x]
+    mixed = [int(x) for x in a.mixed.split(",") if x]
 
     model = random_model(a.preset)
-    nmax = max(batches, default=0)
+    nmax = max(batches + ([a.mixed_decodes] if mixed else []), default=0)
     need = -(-(a.ctx + 1) // BS)
-    pre = -(-max(lengths, default=0) // BS)
+    pre = -(-max(lengths + mixed, default=0) // BS)
     cache = model.alloc_cache(nmax + 2, 1 + nmax * need + pre, BS)  # slot 0 / page 0: the graphs' dummies
     rng = np.random.default_rng(0)
     out = []
@@ -102,12 +106,24 @@ def main(argv=None) -> None:
         wall = time_per_call(fwd, model.ops, a.reps) * 1e3
         host = host_per_call(fwd, model.ops, a.reps) * 1e3
         out.append(report(f"prefill {L} tokens", profile(fwd, a.reps), wall, host, a.top))
+
+    def decodes(B):  # B sequences decoding at position ctx in slots 1..B; the KV's values do not matter for speed
+        return [([int(rng.integers(0, 248000))], a.ctx, i + 1, list(range(1 + i * need, 1 + (i + 1) * need)))
+                for i in range(B)]
+
+    for P in mixed:  # the decode rows first, as the scheduler orders them; the chunk in the prefill's slot and pages
+        pages = list(range(1 + nmax * need, 1 + nmax * need + -(-P // BS)))
+        st = Step.build(decodes(a.mixed_decodes) + [(list(rng.integers(0, 248000, P)), 0, nmax + 1, pages)])
+        fwd = lambda: model.forward(st, cache)  # noqa: E731
+        wall = time_per_call(fwd, model.ops, a.reps) * 1e3
+        host = host_per_call(fwd, model.ops, a.reps) * 1e3
+        out.append(report(f"mixed step: {a.mixed_decodes} decodes (ctx {a.ctx}) + {P} prompt tokens",
+                          profile(fwd, a.reps), wall, host, a.top))
     if batches:
         graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0,
                               max_blocks_per_seq=max(need, -(-a.max_model_len // BS)))
-        for B in batches:  # decode at position ctx; the KV's values do not matter for speed
-            st = Step.build([([int(rng.integers(0, 248000))], a.ctx, i + 1,
-                              list(range(1 + i * need, 1 + (i + 1) * need))) for i in range(B)])
+        for B in batches:
+            st = Step.build(decodes(B))
             graphs.capture(graphs.bucket_for(B))
             run = lambda: graphs.run(st)  # noqa: E731
             wall = time_per_call(run, model.ops, 20) * 1e3
