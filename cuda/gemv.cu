@@ -80,14 +80,28 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo, const u
 }
 
 // MT: 8-row x tiles (M <= 8 * MT); R: 16-row W groups per warp; U: 32-k steps per load batch;
-// PF: L2 256-byte prefetch hint on W loads; OUT: 0 bf16, 1 f32, 2 SwiGLU (bf16, N / 2 columns).
-// Dynamic shared memory: NW * 16R * 8MT floats.
-template <int MT, int R, int U, int PF, int OUT>
+// PF: L2 256-byte prefetch hint on W loads; OUT: 0 bf16, 1 f32, 2 SwiGLU (bf16, N / 2 columns), 3 the
+// residual add of the decoder layer's norm (below); IN: 1 x is that norm's input (below).
+// Dynamic shared memory: NW * 16R * 8MT floats (OUT = 3: + 16R * 8MT).
+//
+// The residual RMSNorm between two GEMVs, fused (CudaBackend.linear_add_rms_norm): the norm's own kernel
+// (one block, ~3 us with its launch; 64 per 4B decode step) is gone. RMSNorm1p(res) = scale_m * res * (1 + w)
+// with one scale per row, so the row scale moves past the next GEMV: y = scale_m * (x' W^T), where
+// x' = bf16(res * (1 + w)) (one bf16 rounding of the GEMV's input, as the unfused bf16(scale * res * (1 + w));
+// not the same bits). OUT = 3: y is the residual [M, N] (bf16, in place): res = bf16(res + bf16(x W^T));
+// xn [M, N] gets x' (nwt: the norm's w, f32 [N]), part [M][N / 16] each row's 16-column group sums of res^2
+// (common.cuh's order), and the last block to finish (count: a zeroed counter it leaves zeroed) reduces them
+// to the rows' scales (eps), part[M * N / 16 + m]. IN = 1: x is x', part its producer's: each block loads
+// the M scales as it starts and multiplies its outputs by them. (Reducing the group sums in every consumer
+// block instead put a few dependent L2 round trips in each block's epilogue: b16 +10%, session 14.)
+template <int MT, int R, int U, int PF, int OUT, int IN>
 __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     const bf16_t* __restrict__ x, long long sx,   // [M, K], row stride sx
     const bf16_t* __restrict__ w,                 // [N, K] contiguous
     void* __restrict__ y,                         // [M, N] contiguous, bf16 or f32
-    int M, int N, int K)
+    int M, int N, int K,
+    float* __restrict__ part, const float* __restrict__ nwt, float eps, bf16_t* __restrict__ xn,  // (above)
+    unsigned* __restrict__ count)
 {
     constexpr int ROWS = 16 * R, COLS = 8 * MT;
     extern __shared__ float red[];  // [NW][COLS][ROWS]
@@ -173,6 +187,10 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     const bool first = MT <= 4 && s + U <= s1;  // (MT = 8, the invariant mode's 64 rows, would spill)
     if (first) load_w(true);
     pdl_enter();
+    const int Mv = M < COLS ? M : COLS;
+    float scale_in = 0.0f;  // IN: thread m's row scale, loaded now (its round trip under the main loop)
+    if (IN && threadIdx.x < Mv)
+        asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(scale_in) : "l"(part + (long long)M * (K >> 4) + threadIdx.x));
     if (first) x_and_mma();
     while (s + U <= s1) {
         load_w(false);
@@ -210,14 +228,16 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             p[8] = acc[r][t][2];
             p[ROWS + 8] = acc[r][t][3];
         }
+    __shared__ float s_scale[IN ? COLS : 1];  // IN: the rows' norm scales
+    if (IN && threadIdx.x < Mv) s_scale[threadIdx.x] = scale_in;
     __syncthreads();
     auto total = [&](int row, int col) {  // the warps' partial sums of one output, in warp order
         float v = red[col * ROWS + row];
         for (int j = 1; j < nw; ++j) v += red[(j * COLS + col) * ROWS + row];
-        return v;
+        return IN ? v * s_scale[col] : v;
     };
     if (OUT == 2) {  // block rows 16b + e (gate) and 16b + 8 + e (up) -> feature n0 / 2 + 8b + e
-        const int valid = (M < COLS ? M : COLS) * (ROWS / 2);
+        const int valid = Mv * (ROWS / 2);
         for (int i = threadIdx.x; i < valid; i += blockDim.x) {
             const int f = i % (ROWS / 2), col = i / (ROWS / 2);
             const int row = 16 * (f >> 3) + (f & 7);
@@ -227,7 +247,43 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         }
         return;
     }
-    const int valid = (M < COLS ? M : COLS) * ROWS;
+    const int valid = Mv * ROWS;
+    if (OUT == 3) {  // res = bf16(res + bf16(v)), xn = bf16(res * (1 + w)); each row's group sums of res^2
+        float* hs = red + nw * COLS * ROWS;  // [COLS][ROWS]: the new res values
+        bf16_t* res = static_cast<bf16_t*>(y);
+        for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+            const int row = i % ROWS, col = i / ROWS, n = n0 + row;
+            if (n >= N) continue;
+            const long long o = (long long)col * N + n;
+            const float h = bf2f(f2bf(bf2f(f2bf(total(row, col))) + bf2f(res[o])));
+            res[o] = f2bf(h);
+            xn[o] = f2bf(h * (1.0f + nwt[n]));
+            hs[col * ROWS + row] = h;
+        }
+        __syncthreads();
+        const int G = N >> 4;
+        for (int i = threadIdx.x; i < valid / 16; i += blockDim.x) {
+            const int r = i % R, col = i / R, grp = n0 / 16 + r;
+            if (grp >= G) continue;
+            const float* hp = hs + col * ROWS + 16 * r;
+            part[(long long)col * G + grp] = sumsq8(hp) + sumsq8(hp + 8);
+        }
+        // the last block to finish: every block's group sums are in L2 (each writer's fence before the count)
+        __shared__ bool s_last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        for (int m = warp; m < Mv; m += nw) {
+            const float* pm = part + (long long)m * G;
+            const float ss = row_sumsq([&](int j) { return __ldcg(pm + j); }, G);
+            if (lane == 0) part[(long long)M * G + m] = rms_scale(ss, N, eps);
+        }
+        if (threadIdx.x == 0) *count = 0u;  // for the next producer (stream order; PDL waits for this grid)
+        return;
+    }
     for (int i = threadIdx.x; i < valid; i += blockDim.x) {
         const int row = i % ROWS, col = i / ROWS;
         const int n = n0 + row;
@@ -369,13 +425,15 @@ __global__ void __launch_bounds__(256, 2) gemm_inv(
 template __global__ void gemm_inv<0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, int);
 template __global__ void gemm_inv<1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, int);
 
-#define GEMV_INST(MT, R, U, PF)                                                                              \
-    template __global__ void gemv_bf16<MT, R, U, PF, 0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int); \
-    template __global__ void gemv_bf16<MT, R, U, PF, 1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
-#define GEMV_INST_SWIGLU(MT, R, U, PF)                                                                       \
-    template __global__ void gemv_bf16<MT, R, U, PF, 2>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
+#define GEMV_SIG(MT, R, U, PF, OUT, IN) \
+    template __global__ void gemv_bf16<MT, R, U, PF, OUT, IN>(const bf16_t*, long long, const bf16_t*, void*, int, int, \
+                                                              int, float*, const float*, float, bf16_t*, unsigned*);
+// every output form plain and normed-input, and the residual producer (OUT = 3)
+#define GEMV_INST(MT, R, U, PF) \
+    GEMV_SIG(MT, R, U, PF, 0, 0) GEMV_SIG(MT, R, U, PF, 1, 0) GEMV_SIG(MT, R, U, PF, 2, 0) \
+    GEMV_SIG(MT, R, U, PF, 0, 1) GEMV_SIG(MT, R, U, PF, 1, 1) GEMV_SIG(MT, R, U, PF, 2, 1) GEMV_SIG(MT, R, U, PF, 3, 0)
+#define GEMV_INST_INVARIANT(MT, R, U, PF) GEMV_SIG(MT, R, U, PF, 0, 0) GEMV_SIG(MT, R, U, PF, 1, 0)
 GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 4, 1) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)
-GEMV_INST_SWIGLU(1, 1, 4, 1) GEMV_INST_SWIGLU(2, 1, 4, 1) GEMV_INST_SWIGLU(1, 1, 2, 0) GEMV_INST_SWIGLU(1, 2, 2, 0)
-GEMV_INST_SWIGLU(2, 2, 2, 0)
-GEMV_INST(4, 1, 2, 0) GEMV_INST(8, 1, 1, 0)  // batch-invariant decode buckets of 17..64 rows (no SwiGLU form)
+// batch-invariant decode buckets of 17..64 rows (no SwiGLU or fused-norm form)
+GEMV_INST_INVARIANT(4, 1, 2, 0) GEMV_INST_INVARIANT(8, 1, 1, 0)
 #endif
