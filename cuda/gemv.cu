@@ -49,6 +49,7 @@
 #include "common.cuh"
 
 #define GEMV_MAX_WARPS 16
+#define GEMV_MAX_GROUPS 512  // the fused norm's 16-column groups per row (N <= 8192)
 
 // W loads skip L1 (W is read once; x stays cached). PF = 1 adds the .L2::256B prefetch-size hint: it
 // pays off for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration, and costs
@@ -268,30 +269,43 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             const float* hp = hs + col * ROWS + 16 * r;
             part[(long long)col * G + grp] = sumsq8(hp) + sumsq8(hp + 8);
         }
-        // the last block to finish: every block's group sums are in L2 (each writer's fence before the count)
+        // The last block to finish reduces every block's group sums. One acq_rel atomic per block: its
+        // release covers the block's writes (ordered before it by the barrier; release is cumulative), its
+        // acquire in the last block the others' (a per-thread __threadfence made the tail ~1 us longer).
         __shared__ bool s_last;
-        __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) == gridDim.x - 1;
-        __syncthreads();
-        if (!s_last) return;
-        __threadfence();
-        for (int m = warp; m < Mv; m += nw) {
-            const float* pm = part + (long long)m * G;
-            const float ss = row_sumsq([&](int j) { return __ldcg(pm + j); }, G);
-            if (lane == 0) part[(long long)M * G + m] = rms_scale(ss, N, eps);
+        if (threadIdx.x == 0) {
+            unsigned old;
+            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+            s_last = old == gridDim.x - 1;
         }
-        if (threadIdx.x == 0) *count = 0u;  // for the next producer (stream order; PDL waits for this grid)
+        __syncthreads();
+        if (s_last) {
+            for (int m = warp; m < Mv; m += nw) {  // row_sumsq's order, every load issued before the first add
+                const float* pm = part + (long long)m * G;
+                float v[GEMV_MAX_GROUPS / 32];
+#pragma unroll
+                for (int i = 0; i < GEMV_MAX_GROUPS / 32; ++i) v[i] = lane + 32 * i < G ? __ldcg(pm + lane + 32 * i) : 0.0f;
+                float q = 0.0f;
+#pragma unroll
+                for (int i = 0; i < GEMV_MAX_GROUPS / 32; ++i) q += v[i];
+                const float ss = warp_sum(q);
+                if (lane == 0) part[(long long)M * G + m] = rms_scale(ss, N, eps);
+            }
+            if (threadIdx.x == 0) *count = 0u;  // for the next producer (stream order; PDL waits for this grid)
+        }
         return;
     }
-    for (int i = threadIdx.x; i < valid; i += blockDim.x) {
-        const int row = i % ROWS, col = i / ROWS;
-        const int n = n0 + row;
-        if (n >= N) continue;
-        const float v = total(row, col);
-        const long long o = (long long)col * N + n;
-        if (OUT == 1) static_cast<float*>(y)[o] = v;
-        else static_cast<bf16_t*>(y)[o] = f2bf(v);
+    if (OUT < 2) {  // (a guard, not a return after OUT = 3's block: nvcc finds this loop unreachable there)
+        for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+            const int row = i % ROWS, col = i / ROWS;
+            const int n = n0 + row;
+            if (n >= N) continue;
+            const float v = total(row, col);
+            const long long o = (long long)col * N + n;
+            if (OUT == 1) static_cast<float*>(y)[o] = v;
+            else static_cast<bf16_t*>(y)[o] = f2bf(v);
+        }
     }
 }
 
