@@ -96,11 +96,8 @@ class Qwen35Model:
                 h, residual = ops.linear_add_rms_norm(a, L["down"], residual, layers[i + 1]["ln1"], eps)
         rows, last = meta.step.logits_rows, len(layers) - 1
         if len(rows) == len(meta.step.tokens):  # every row samples (decode, verify): the final norm as the others
-            # (chosen by the step alone, never by the capture: a graph and its eager twin must compute alike)
             h, residual = ops.linear_add_rms_norm(a, layers[last]["down"], residual, self.norm, eps)
             logits = ops.linear(h, self.lm_head)
-            if capture is not None and capture.post_norm:
-                h = ops.gather_rows(h, rows)  # the normalized rows themselves
         elif capture is None or not (capture.post_norm or last in capture.taps):  # the final norm on those rows
             x = ops.linear(a, layers[last]["down"])
             h, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)

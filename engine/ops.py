@@ -92,9 +92,8 @@ class Backend(Protocol):
         """x [M, K] (a column view allowed) @ w [N, K]^T -> [M, N] (f32 for the lm_head)."""
 
     def linear_add_rms_norm(self, x, w_proj, residual, w, eps: float) -> tuple[Any, Any]:
-        """add_rms_norm(linear(x, w_proj), residual, w, eps), residual not None: a sublayer's output
-        projection and the next norm, one op so a backend can fuse them. The normalized rows it returns
-        are for linear / swiglu / gather_rows (the CUDA backend may hand back a deferred form)."""
+        """add_rms_norm(linear(x, w_proj), residual, w, eps), residual not None, with the same results: a
+        sublayer's output projection and the norm after it, one op so a backend can fuse them."""
 
     def weight_gate_up(self, gate, up) -> Any:
         """An MLP's gate and up matrices ([F, H] checkpoint arrays) -> the backend's fused weight for

@@ -188,47 +188,24 @@ def test_gemm_inv_rows_equal_gemv_rows(be_inv, no_cublas, name):
     assert not no_cublas[0]
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
 @pytest.mark.parametrize("producer", ["down", "o_proj", "tiny"])
 def test_fused_norm(be, no_cublas, producer, M):
-    """linear_add_rms_norm at decode sizes: the output projection adds into the residual (the bits of the
-    GEMV then add_rms_norm) and writes x' = bf16(res * (1 + w)) and the rows' group sums of res^2 (gemv.cu
-    OUT = 3); the next GEMV reads x' and scales each output row by rsqrt(mean(res^2) + eps) (IN = 1): against
-    NumPy on those inputs (bf16 and f32 logits), against the unfused ops within bf16 rounding (the SwiGLU
-    epilogue too), and a row's bits alone equal its bits in the batch."""
-    from engine.arrays import f32_to_bf16
+    """linear_add_rms_norm: up to GEMV_FUSED_NORM_MAX_M rows one GEMV adds its output into the residual and
+    its last block normalizes the rows (gemv.cu OUT = 3); above, the GEMV then add_rms_norm. Either way the
+    same bits as the two ops, residual and normalized rows; and the block counter is left at zero."""
     if producer == "tiny":  # the tiny preset's widths: hidden 128
         cupy.random.seed(M)
-        Hp, wp, wt = 128, dev_bits(128, 256, scale=256 ** -0.5), dev_bits(96, 128)
-        consumers = [(be.linear, wt, np.arange(96), bf16_to_f32(cupy.asnumpy(wt))), (be.swiglu, dev_bits(32, 128))]
+        Hp, wp = 128, dev_bits(128, 256, scale=256 ** -0.5)
     else:
         Hp, wp = H, weight(producer)[0]
-        consumers = [(be.linear, *weight("in_proj")), (be.swiglu, weight("gate_up")[0]),
-                     (be.linear, *weight("lm_head"))]
     cupy.random.seed(1000 + M)
-    x, res = dev_bits(GEMV_MAX_M, wp.shape[1]), dev_bits(GEMV_MAX_M, Hp, scale=3.0)
+    x, res = dev_bits(M, wp.shape[1]), dev_bits(M, Hp, scale=3.0)
     w = cupy.random.standard_normal(Hp, dtype=cupy.float32) * 0.1
-    h, r1 = be.add_rms_norm(be.linear(x[:M], wp), res[:M].copy(), w, 1e-6)
-    n, r2 = be.linear_add_rms_norm(x[:M], wp, res[:M].copy(), w, 1e-6)
-    assert isinstance(n, bc.Normed)
-    r = cupy.asnumpy(r2)
-    assert np.array_equal(cupy.asnumpy(r1), r)
-    assert np.array_equal(cupy.asnumpy(h), cupy.asnumpy(be.normed(n)))
-    rf, wf = bf16_to_f32(r), cupy.asnumpy(w)
-    xq = bf16_to_f32(cupy.asnumpy(n.x))
-    assert np.array_equal(cupy.asnumpy(n.x), f32_to_bf16(rf * (1.0 + wf)))
-    scale = 1.0 / np.sqrt(np.mean(rf.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
-    whole = be.linear_add_rms_norm(x, wp, res.copy(), w, 1e-6)[0]
-    for op, wc, *checked in consumers:
-        got, want = op(n, wc), op(h, wc)
-        gf = got if got.dtype == cupy.float32 else bf16_to_f32(cupy.asnumpy(got))
-        gf = cupy.asnumpy(gf)
-        assert rel(gf, bf16_to_f32(cupy.asnumpy(want)) if want.dtype != cupy.float32 else cupy.asnumpy(want)) <= BF16_TOL
-        if checked:  # linear: NumPy on x' and the scales, the weight's checked rows
-            rows, w_np = checked
-            ref = scale * (xq @ w_np.T)
-            assert rel(gf[:, rows], ref) <= (F32_TOL if got.dtype == cupy.float32 else BF16_TOL)
-        bits = cupy.asnumpy(got.view(cupy.uint16))
-        assert np.array_equal(bits, cupy.asnumpy(op(whole, wc).view(cupy.uint16))[:M])  # M-invariant
-    assert int(be._gemv_count[0]) == 0  # each producer's last block left its counter zeroed for the next
+    for _ in range(2):  # twice: the second call finds the counter the first left
+        h1, r1 = be.add_rms_norm(be.linear(x, wp), res.copy(), w, 1e-6)
+        h2, r2 = be.linear_add_rms_norm(x, wp, res.copy(), w, 1e-6)
+        assert np.array_equal(cupy.asnumpy(r1), cupy.asnumpy(r2))
+        assert np.array_equal(cupy.asnumpy(h1), cupy.asnumpy(h2))
+        assert int(be._gemv_count[0]) == 0
     assert not no_cublas[0]

@@ -44,30 +44,16 @@ GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI
 INVARIANT_SPLIT_KEYS = 256
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # a null pointer argument
+# linear_add_rms_norm fuses the residual norm into the GEMV up to this many rows: its last block normalizes
+# all M rows alone (cuda/gemv.cu OUT = 3)
+GEMV_FUSED_NORM_MAX_M = 4
+GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), kernels.define("norm.cu", "RMS_MAX_VEC")
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
     """Row stride in elements of a 2-D (or row-major N-D) view whose last dim is contiguous."""
     assert x.strides[-1] == x.itemsize, f"column stride {x.strides} not supported"
     return i64(x.strides[0] // x.itemsize)
-
-
-@dataclass(frozen=True)
-class Normed:
-    """RMSNorm1p(res) = scale * x with the row scales not yet applied: linear_add_rms_norm's GEMV wrote the
-    residual res [M, H], x = bf16(res * (1 + w)) and into part (f32 [M * (H / 16 + 1)]) each row's 16-column
-    group sums of res^2, then the M row scales; the next GEMV (linear, swiglu) reads x and scales its
-    outputs (cuda/gemv.cu). Any other use gets the rows normalized first (CudaBackend.normed), before the
-    residual changes again."""
-    x: cupy.ndarray
-    part: cupy.ndarray
-    res: cupy.ndarray
-    w: cupy.ndarray
-    eps: float
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.x.shape
 
 
 @dataclass
@@ -112,8 +98,8 @@ class CudaBackend:
         self.num_sms = dev.attributes["MultiProcessorCount"]
         self.kernels = kernels.Kernels(dev.compute_capability)
         self._fn = self.kernels.fn
-        # the fused norm's producer GEMVs' block counter (gemv.cu OUT = 3; its last block re-zeroes it): one
-        # for all, as every kernel runs on the one current stream, in order
+        # the fused norm's GEMVs' block counter (gemv.cu OUT = 3; its last block re-zeroes it): one for all,
+        # as every kernel runs on the one current stream, in order
         self._gemv_count = cupy.zeros(1, cupy.uint32)
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
@@ -312,7 +298,6 @@ class CudaBackend:
         return self._gather(table, meta.tokens)
 
     def gather_rows(self, x, rows):
-        x = self.normed(x)
         if isinstance(rows, np.ndarray):
             rows = cupy.asarray(rows.astype(np.int32))
         x = cupy.ascontiguousarray(x)
@@ -322,7 +307,7 @@ class CudaBackend:
         """residual += x (in place, bf16); returns (RMSNorm1p(residual), residual). None: first layer."""
         x = cupy.ascontiguousarray(x)
         T, H = x.shape
-        assert H % 16 == 0 and H <= 8 * kernels.define("norm.cu", "RMS_MAX_VEC"), f"add_rms_norm: width {H}"
+        assert H % 16 == 0 and H <= 8 * RMS_MAX_VEC, f"add_rms_norm: width {H}"
         y = self._empty((T, H))
         has_res = residual is not None
         if has_res:
@@ -333,29 +318,21 @@ class CudaBackend:
                                                   (x, res, y, w, i32(H), f32(eps), i32(has_res)))
         return y, res
 
-    def normed(self, x):
-        """x's rows as an array (a Normed's normalized now)."""
-        return self.add_rms_norm(x.res, None, x.w, x.eps)[0] if isinstance(x, Normed) else x
-
     def linear_add_rms_norm(self, x, w_proj, residual, w, eps):
-        """add_rms_norm(linear(x, w_proj), residual, w, eps). At decode sizes (the GEMV; not in batch-invariant
-        mode, whose rows must match gemm_inv's) the add and the norm fuse into the GEMVs around them: this one
-        adds its output into residual and writes a Normed (gemv.cu, OUT = 3), whose row scales the next GEMV
-        applies to its outputs. The norm's own launch (~3 us; 64 per 4B decode step) is gone; the rows'
-        values differ from the unfused ones by a bf16 rounding (where the scale is applied)."""
+        """add_rms_norm(linear(x, w_proj), residual, w, eps). Up to GEMV_FUSED_NORM_MAX_M rows one GEMV does
+        it all (gemv.cu OUT = 3: the add into residual, then its last block's norm; the same bits as the two
+        ops), so the norm's own launch (~3 us; 64 per 4B decode step) is gone."""
         M, H = x.shape[0], w_proj.shape[0]
-        if (residual is not None and not self.batch_invariant and 1 <= M <= GEMV_MAX_M and H % 16 == 0
-                and H < LOGITS_ROWS and residual.flags.c_contiguous and residual.shape == (M, H)):
+        if (residual is not None and 1 <= M <= GEMV_FUSED_NORM_MAX_M and H % 16 == 0 and H // 16 <= GEMV_MAX_GROUPS
+                and residual.flags.c_contiguous and residual.shape == (M, H)):
             gx = self._gemv_input(x, w_proj)
             if gx is not None:
-                n = Normed(self._empty((M, H)), self._empty((M * (H // 16 + 1),), cupy.float32), residual, w, eps)
-                self._gemv(*gx, w_proj, residual, kernels.GEMV_OUT["residual"], produce=n)
-                return n, residual
+                h = self._empty((M, H))
+                part = self._empty((M, H // 16), cupy.float32)  # the rows' 16-column group sums of squares
+                self._gemv(*gx, w_proj, residual, kernels.GEMV_OUT["residual"],
+                           norm=(part, w, f32(eps), h, self._gemv_count))
+                return h, residual
         return self.add_rms_norm(self.linear(x, w_proj), residual, w, eps)
-
-    def _fused_norm_input(self, x, w):
-        """(x, row stride) of a Normed for a GEMV with weight w, or None where the GEMV does not run."""
-        return self._gemv_input(x.x, w) if 1 <= x.shape[0] <= GEMV_MAX_M else None
 
     def linear(self, x, w):
         """y = x @ w^T. bf16 out, except f32 for the lm_head (the only weight with >= LOGITS_ROWS rows):
@@ -363,17 +340,10 @@ class CudaBackend:
         runs the weight-streaming tensor-core GEMV of cuda/gemv.cu (bit-identical rows whatever M; an x
         view its 16-byte loads cannot read in place is copied first); larger M, K % 8 != 0 or an unaligned
         weight go to cublasLt; with batch_invariant the GEMV runs up to GEMV_MAX_M_INVARIANT rows (its decode
-        buckets) and gemm_inv above (gemv_bf16's results for any M). x may be a Normed (linear_add_rms_norm)."""
+        buckets) and gemm_inv above (gemv_bf16's results for any M)."""
         f32_out = w.shape[0] >= LOGITS_ROWS
         M, K = x.shape
         N = w.shape[0]
-        if isinstance(x, Normed):
-            gx = self._fused_norm_input(x, w)
-            if gx is not None:
-                out = self._empty((M, N), cupy.float32 if f32_out else cupy.uint16)
-                self._gemv(*gx, w, out, kernels.GEMV_OUT["f32" if f32_out else "bf16"], norm=x)
-                return out
-            x = self.normed(x)
         small = 1 <= M <= (GEMV_MAX_M_INVARIANT if self.batch_invariant else GEMV_MAX_M)
         gx = self._gemv_input(x, w) if small or (self.batch_invariant and M) else None
         if gx is None:
@@ -390,16 +360,12 @@ class CudaBackend:
         """silu(gate) * up of x @ gate_up^T (weight_gate_up's row order). Decode-sized M: one GEMV with the
         activation in its epilogue; else the GEMM, then silu_mul_kernel. Both give the same bits."""
         M = x.shape[0]
-        norm = x if isinstance(x, Normed) else None
-        if norm is not None:
-            gx = self._fused_norm_input(x, gate_up)
-        else:
-            gx = self._gemv_input(x, gate_up) if 1 <= M <= GEMV_MAX_M else None
+        gx = self._gemv_input(x, gate_up) if 1 <= M <= GEMV_MAX_M else None
         if gx is None:
-            return self._silu_mul(self.linear(self.normed(x), gate_up))
+            return self._silu_mul(self.linear(x, gate_up))
         assert gate_up.shape[0] % 16 == 0, "swiglu: not a weight_gate_up weight"
         out = self._empty((M, gate_up.shape[0] // 2))
-        self._gemv(*gx, gate_up, out, kernels.GEMV_OUT["swiglu"], norm=norm)
+        self._gemv(*gx, gate_up, out, kernels.GEMV_OUT["swiglu"])
         return out
 
     @staticmethod
@@ -414,20 +380,13 @@ class CudaBackend:
             x = x.copy()
         return x, i64(x.strides[0] // 2) if M > 1 else i64(K)
 
-    def _gemv(self, x, sx, w, out, mode: int, norm: Normed | None = None, produce: Normed | None = None) -> None:
-        """gemv_bf16: out = x @ w^T in form mode (kernels.GEMV_OUT); norm: x is that Normed's x (its row
-        scales applied to out); produce: the residual form's Normed (out is its residual)."""
+    def _gemv(self, x, sx, w, out, mode: int, norm: tuple = (NULL, NULL, f32(0), NULL, NULL)) -> None:
+        """gemv_bf16: out = x @ w^T in form mode (kernels.GEMV_OUT); norm: the residual form's (group sums,
+        norm weight, eps, normalized output, block counter)."""
         M, K = x.shape
         N = w.shape[0]
-        name, blocks, nw, smem = gemv_plan(M, N, K, mode, int(norm is not None))
-        if norm is not None:
-            assert K % 16 == 0 and norm.part.shape == (M * (K // 16 + 1),)
-            extra = (norm.part, NULL, f32(0), NULL, NULL)
-        elif produce is not None:
-            extra = (produce.part, produce.w, f32(produce.eps), produce.x, self._gemv_count)
-        else:
-            extra = (NULL, NULL, f32(0), NULL, NULL)
-        self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K), *extra),
+        name, blocks, nw, smem = gemv_plan(M, N, K, mode)
+        self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K), *norm),
                                         shared_mem=smem)
 
     def _silu_mul(self, gate_up):

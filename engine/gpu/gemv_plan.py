@@ -19,7 +19,7 @@ def gemv_nw(N: int, K: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_plan(M: int, N: int, K: int, out: int, inp: int = 0) -> tuple[str, int, int, int]:
+def gemv_plan(M: int, N: int, K: int, out: int) -> tuple[str, int, int, int]:
     """(kernel, blocks, warps per block, shared bytes). The warps per block NW (the K split, hence the
     summation order) depend on (N, K) only, never on M, so a row's result is the same in any batch of
     <= GEMV_MAX_M rows; the variant changes no result.
@@ -27,8 +27,7 @@ def gemv_plan(M: int, N: int, K: int, out: int, inp: int = 0) -> tuple[str, int,
     Few row groups (NW >= 8) need every block resident at once (one wave): U = 2 at M <= 4 (2 blocks of
     16 warps per SM), else R = 2 (half the blocks). Many row groups: R = 1, U = 4 with the 256-byte L2
     prefetch (at M = 16 too: gate_up 37.4 -> 33.5 us, in_proj 24.1 -> 23.3 on an H100, against U = 2;
-    tools/gemv_sweep.py, docs/benchmarks/session13-h100.md). out: kernels.GEMV_OUT; inp: 1 for x a fused
-    RMSNorm's input."""
+    tools/gemv_sweep.py, docs/benchmarks/session13-h100.md). out: kernels.GEMV_OUT."""
     nw = gemv_nw(N, K)
     if M > GEMV_MAX_M:  # batch-invariant decode buckets: x tiles of 32 or 64 rows (one W pass)
         v = (4, 1, 2, 0) if M <= 32 else (8, 1, 1, 0)
@@ -36,12 +35,12 @@ def gemv_plan(M: int, N: int, K: int, out: int, inp: int = 0) -> tuple[str, int,
         v = (1, 1, 2, 0) if M <= 4 else (1, 2, 2, 0) if M <= 8 else (2, 2, 2, 0)
     else:
         v = (1, 1, 4, 1) if M <= 8 else (2, 1, 4, 1)
-    return gemv_launch(v, out, N, nw, inp)
+    return gemv_launch(v, out, N, nw)
 
 
-def gemv_launch(v: tuple[int, int, int, int], out: int, N: int, nw: int, inp: int = 0) -> tuple[str, int, int, int]:
+def gemv_launch(v: tuple[int, int, int, int], out: int, N: int, nw: int) -> tuple[str, int, int, int]:
     """(kernel, blocks, warps per block, shared bytes) of variant v = (MT, R, U, PF) with nw warps a block
     (the residual form keeps the block's new residual values beside the warps' partial sums)."""
     mt, r, u, pf = v
     tile = 16 * r * 8 * mt * 4
-    return gemv_name(mt, r, u, pf, out, inp), -(-N // (16 * r)), nw, nw * tile + (tile if out == 3 else 0)
+    return gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw, nw * tile + (tile if out == 3 else 0)

@@ -50,10 +50,10 @@ SM90A = "90"
 # its 227 KB blocks fit an H100 at once, not the 4B's 32 heads; 2 (66 fit) keeps a sequence in one wave.
 GDN_CLUSTERS = (1, 2)
 CONV_K = (2, 3, 4)
-# gemv_bf16<MT, R, U, PF, OUT, IN>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
-# 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU, 3 the residual add of a fused RMSNorm), x a
-# fused RMSNorm's input (IN = 1, with OUT 0-2); the last two variants serve only the batch-invariant decode
-# buckets of 17..64 rows (OUT 0 and 1: the backend runs SwiGLU there as OUT = 0 + silu_mul, norms unfused)
+# gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
+# 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU, 3 the residual add and RMSNorm after it); the last
+# two variants serve only the batch-invariant decode buckets of 17..64 rows (OUT 0 and 1: the backend runs
+# SwiGLU there as OUT = 0 + silu_mul, and the norms unfused)
 GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 4, 1), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
 GEMV_INVARIANT_ONLY = ((4, 1, 2, 0), (8, 1, 1, 0))
 
@@ -61,14 +61,12 @@ GEMV_INVARIANT_ONLY = ((4, 1, 2, 0), (8, 1, 1, 0))
 GEMV_OUT = {"bf16": 0, "f32": 1, "swiglu": 2, "residual": 3}
 
 
-def gemv_name(mt: int, r: int, u: int, pf: int, out: int, inp: int = 0) -> str:
-    return f"gemv_bf16<{mt}, {r}, {u}, {pf}, {out}, {inp}>"
+def gemv_name(mt: int, r: int, u: int, pf: int, out: int) -> str:
+    return f"gemv_bf16<{mt}, {r}, {u}, {pf}, {out}>"
 
 
 def _gemv_names(variants) -> list[str]:
-    forms = ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0))
-    return [gemv_name(*v, o, i) for v in variants for o, i in forms
-            if v not in GEMV_INVARIANT_ONLY or (o < 2 and i == 0)]
+    return [gemv_name(*v, o) for v in variants for o in (0, 1, 2, 3) if o < 2 or v not in GEMV_INVARIANT_ONLY]
 
 
 INSTANCES = {
