@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         return;
     }
     const int valid = Mv * ROWS;
-    if (OUT == 3) {  // res = bf16(res + bf16(v)), xn = bf16(res * (1 + w)); each row's group sums of res^2
+    if (OUT == 3) {  // res = bf16(res + bf16(v)) and each row's group sums of res^2; the last block: xn
         float* hs = red + nw * COLS * ROWS;  // [COLS][ROWS]: the new res values
         bf16_t* res = static_cast<bf16_t*>(y);
         for (int i = threadIdx.x; i < valid; i += blockDim.x) {
