@@ -53,27 +53,39 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// RMSNorm's sum of squares in one fixed order, so that every kernel computing a row's norm gets the same bits
+// (add_rms_norm_kernel, and gemv_bf16's fused norm: its producer GEMV writes the 16-column group sums, its
+// consumer reduces them): a group's sum is sumsq8(first 8) + sumsq8(last 8); the row's sum is row_sumsq
+// over the groups.
+__device__ __forceinline__ float sumsq8(const float* a) {
+    float s = __fmul_rn(a[0], a[0]);
+#pragma unroll
+    for (int e = 1; e < 8; ++e) s = __fmaf_rn(a[e], a[e], s);
+    return s;
+}
+
+// Called by a whole warp (every lane gets the sum): lane l adds groups l, l + 32, ... in order, then the
+// warp's butterfly. group(j): the sum of 16-column group j, j < G.
+template <class F>
+__device__ __forceinline__ float row_sumsq(F group, int G) {
+    float q = 0.0f;
+    for (int j = threadIdx.x & 31; j < G; j += 32) q += group(j);
+    return warp_sum(q);
+}
+
+__device__ __forceinline__ float rms_scale(float ss, int H, float eps) { return rsqrtf(ss / (float)H + eps); }
+
+// Gemma-style (1 + w) RMSNorm of 8 values whose weights are w0, w1.
+__device__ __forceinline__ void rms_apply8(float (&a)[8], float scale, const float4 w0, const float4 w1) {
+    a[0] *= scale * (1.0f + w0.x); a[1] *= scale * (1.0f + w0.y);
+    a[2] *= scale * (1.0f + w0.z); a[3] *= scale * (1.0f + w0.w);
+    a[4] *= scale * (1.0f + w1.x); a[5] *= scale * (1.0f + w1.y);
+    a[6] *= scale * (1.0f + w1.z); a[7] *= scale * (1.0f + w1.w);
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-// `red` is shared scratch of at least 33 floats.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float t = lane < nw ? red[lane] : 0.0f;
-        t = warp_sum(t);
-        if (lane == 0) red[32] = t;
-    }
-    __syncthreads();
-    float r = red[32];
-    __syncthreads();
-    return r;
-}
 
 // Asynchronous 16-byte global -> shared copies (sm_80+), bypassing registers. src_bytes = 0 writes zeros
 // and reads nothing. cp_async_wait<N>: wait until at most N committed groups are still in flight.

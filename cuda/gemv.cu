@@ -49,6 +49,8 @@
 #include "common.cuh"
 
 #define GEMV_MAX_WARPS 16
+#define GEMV_MAX_GROUPS 512  // OUT = 3: 16-column groups per row (N <= 8192)
+#define GEMV_NORM_BATCH 4    // OUT = 3: residual vectors a thread of the last block loads at once
 
 // W loads skip L1 (W is read once; x stays cached). PF = 1 adds the .L2::256B prefetch-size hint: it
 // pays off for the U = 4 plans, whose warps read 256 contiguous bytes per row per iteration, and costs
@@ -80,14 +82,28 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo, const u
 }
 
 // MT: 8-row x tiles (M <= 8 * MT); R: 16-row W groups per warp; U: 32-k steps per load batch;
-// PF: L2 256-byte prefetch hint on W loads; OUT: 0 bf16, 1 f32, 2 SwiGLU (bf16, N / 2 columns).
-// Dynamic shared memory: NW * 16R * 8MT floats.
+// PF: L2 256-byte prefetch hint on W loads; OUT: 0 bf16, 1 f32, 2 SwiGLU (bf16, N / 2 columns), 3 the
+// residual add and RMSNorm after a sublayer's output projection (below).
+// Dynamic shared memory: NW * 16R * 8MT floats (OUT = 3: + 16R * 8MT).
+//
+// OUT = 3 (CudaBackend.linear_add_rms_norm): the residual add and RMSNorm1p that follow o_proj, out_proj
+// and down, fused into that GEMV, so the norm's own kernel (one block, ~3 us with its launch) is gone.
+// y is the residual [M, N] (bf16, in place): res = bf16(res + bf16(x W^T)); each block writes its rows'
+// 16-column group sums of res^2 to part [M][N / 16] (common.cuh's order); the last block to finish (count:
+// a zeroed counter it leaves zeroed) reduces them to the row scales and writes xn = RMSNorm1p(res) with
+// weight nwt (f32 [N]) and eps: add_rms_norm_kernel's arithmetic in its order, the same bits. The
+// normalization needs every column's sum first, hence one block doing it: the host fuses only at few rows
+// (GEMV_FUSED_NORM_MAX_M). (Deferring the row scale to the next GEMV instead, y = scale (x' W^T) with
+// x' = bf16(res (1 + w)), was 3% faster at one row but rounds elsewhere than HF, and failed the tiny3 HF
+// gate: docs/benchmarks/session15-h100.md.)
 template <int MT, int R, int U, int PF, int OUT>
 __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     const bf16_t* __restrict__ x, long long sx,   // [M, K], row stride sx
     const bf16_t* __restrict__ w,                 // [N, K] contiguous
     void* __restrict__ y,                         // [M, N] contiguous, bf16 or f32
-    int M, int N, int K)
+    int M, int N, int K,
+    float* __restrict__ part, const float* __restrict__ nwt, float eps, bf16_t* __restrict__ xn,  // OUT = 3
+    unsigned* __restrict__ count)
 {
     constexpr int ROWS = 16 * R, COLS = 8 * MT;
     extern __shared__ float red[];  // [NW][COLS][ROWS]
@@ -173,6 +189,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
     const bool first = MT <= 4 && s + U <= s1;  // (MT = 8, the invariant mode's 64 rows, would spill)
     if (first) load_w(true);
     pdl_enter();
+    const int Mv = M < COLS ? M : COLS;
     if (first) x_and_mma();
     while (s + U <= s1) {
         load_w(false);
@@ -217,7 +234,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         return v;
     };
     if (OUT == 2) {  // block rows 16b + e (gate) and 16b + 8 + e (up) -> feature n0 / 2 + 8b + e
-        const int valid = (M < COLS ? M : COLS) * (ROWS / 2);
+        const int valid = Mv * (ROWS / 2);
         for (int i = threadIdx.x; i < valid; i += blockDim.x) {
             const int f = i % (ROWS / 2), col = i / (ROWS / 2);
             const int row = 16 * (f >> 3) + (f & 7);
@@ -227,15 +244,85 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         }
         return;
     }
-    const int valid = (M < COLS ? M : COLS) * ROWS;
-    for (int i = threadIdx.x; i < valid; i += blockDim.x) {
-        const int row = i % ROWS, col = i / ROWS;
-        const int n = n0 + row;
-        if (n >= N) continue;
-        const float v = total(row, col);
-        const long long o = (long long)col * N + n;
-        if (OUT == 1) static_cast<float*>(y)[o] = v;
-        else static_cast<bf16_t*>(y)[o] = f2bf(v);
+    const int valid = Mv * ROWS;
+    if (OUT == 3) {  // res = bf16(res + bf16(v)) and each row's group sums of res^2; the last block: xn
+        float* hs = red + nw * COLS * ROWS;  // [COLS][ROWS]: the new res values
+        bf16_t* res = static_cast<bf16_t*>(y);
+        for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+            const int row = i % ROWS, col = i / ROWS, n = n0 + row;
+            if (n >= N) continue;
+            const long long o = (long long)col * N + n;
+            const float h = bf2f(f2bf(bf2f(f2bf(total(row, col))) + bf2f(res[o])));
+            res[o] = f2bf(h);
+            hs[col * ROWS + row] = h;
+        }
+        __syncthreads();
+        const int G = N >> 4;
+        for (int i = threadIdx.x; i < valid / 16; i += blockDim.x) {
+            const int r = i % R, col = i / R, grp = n0 / 16 + r;
+            if (grp >= G) continue;
+            const float* hp = hs + col * ROWS + 16 * r;
+            part[(long long)col * G + grp] = sumsq8(hp) + sumsq8(hp + 8);
+        }
+        // The last block to finish reduces every block's group sums. One acq_rel atomic per block: its
+        // release covers the block's writes (ordered before it by the barrier; release is cumulative), its
+        // acquire in the last block the others' (a per-thread __threadfence made the tail ~1 us longer).
+        __shared__ bool s_last;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned old;
+            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+            s_last = old == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (!s_last) return;
+        __shared__ float s_rs[COLS];  // the rows' scales
+        for (int m = warp; m < Mv; m += nw) {  // row_sumsq's order, every load issued before the first add
+            const float* pm = part + (long long)m * G;
+            float v[GEMV_MAX_GROUPS / 32];
+#pragma unroll
+            for (int i = 0; i < GEMV_MAX_GROUPS / 32; ++i) v[i] = lane + 32 * i < G ? __ldcg(pm + lane + 32 * i) : 0.0f;
+            float q = 0.0f;
+#pragma unroll
+            for (int i = 0; i < GEMV_MAX_GROUPS / 32; ++i) q += v[i];
+            const float ss = warp_sum(q);
+            if (lane == 0) s_rs[m] = rms_scale(ss, N, eps);
+        }
+        if (threadIdx.x == 0) *count = 0u;  // for the next producer (stream order; PDL waits for this grid)
+        __syncthreads();
+        // xn = RMSNorm1p(res), 8 columns a thread, GEMV_NORM_BATCH vectors' loads in flight together
+        const int nvec = N >> 3, all = Mv * nvec;
+        const float4* w4 = reinterpret_cast<const float4*>(nwt);
+        for (int i0 = threadIdx.x; i0 < all; i0 += GEMV_NORM_BATCH * blockDim.x) {
+            uint4 rv[GEMV_NORM_BATCH];
+#pragma unroll
+            for (int u = 0; u < GEMV_NORM_BATCH; ++u) {
+                const int i = i0 + u * blockDim.x;
+                if (i < all) rv[u] = __ldcg(reinterpret_cast<const uint4*>(res) + i);
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_NORM_BATCH; ++u) {
+                const int i = i0 + u * blockDim.x;
+                if (i >= all) break;
+                const int m = i / nvec, c8 = i - m * nvec;
+                float a[8];
+                unpack8(rv[u], a);
+                rms_apply8(a, s_rs[m], __ldg(w4 + 2 * c8), __ldg(w4 + 2 * c8 + 1));
+                reinterpret_cast<uint4*>(xn)[i] = pack8(a);
+            }
+        }
+        return;
+    }
+    if (OUT < 2) {  // (a guard, not a return after OUT = 3's block: nvcc finds this loop unreachable there)
+        for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+            const int row = i % ROWS, col = i / ROWS;
+            const int n = n0 + row;
+            if (n >= N) continue;
+            const float v = total(row, col);
+            const long long o = (long long)col * N + n;
+            if (OUT == 1) static_cast<float*>(y)[o] = v;
+            else static_cast<bf16_t*>(y)[o] = f2bf(v);
+        }
     }
 }
 
@@ -369,13 +456,14 @@ __global__ void __launch_bounds__(256, 2) gemm_inv(
 template __global__ void gemm_inv<0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, int);
 template __global__ void gemm_inv<1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, int);
 
-#define GEMV_INST(MT, R, U, PF)                                                                              \
-    template __global__ void gemv_bf16<MT, R, U, PF, 0>(const bf16_t*, long long, const bf16_t*, void*, int, int, int); \
-    template __global__ void gemv_bf16<MT, R, U, PF, 1>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
-#define GEMV_INST_SWIGLU(MT, R, U, PF)                                                                       \
-    template __global__ void gemv_bf16<MT, R, U, PF, 2>(const bf16_t*, long long, const bf16_t*, void*, int, int, int);
+#define GEMV_SIG(MT, R, U, PF, OUT) \
+    template __global__ void gemv_bf16<MT, R, U, PF, OUT>(const bf16_t*, long long, const bf16_t*, void*, int, int, int, \
+                                                         float*, const float*, float, bf16_t*, unsigned*);
+// every output form (OUT = 3 at few rows only, but instantiating it per variant keeps the plan free)
+#define GEMV_INST(MT, R, U, PF) \
+    GEMV_SIG(MT, R, U, PF, 0) GEMV_SIG(MT, R, U, PF, 1) GEMV_SIG(MT, R, U, PF, 2) GEMV_SIG(MT, R, U, PF, 3)
+#define GEMV_INST_INVARIANT(MT, R, U, PF) GEMV_SIG(MT, R, U, PF, 0) GEMV_SIG(MT, R, U, PF, 1)
 GEMV_INST(1, 1, 4, 1) GEMV_INST(2, 1, 4, 1) GEMV_INST(1, 1, 2, 0) GEMV_INST(1, 2, 2, 0) GEMV_INST(2, 2, 2, 0)
-GEMV_INST_SWIGLU(1, 1, 4, 1) GEMV_INST_SWIGLU(2, 1, 4, 1) GEMV_INST_SWIGLU(1, 1, 2, 0) GEMV_INST_SWIGLU(1, 2, 2, 0)
-GEMV_INST_SWIGLU(2, 2, 2, 0)
-GEMV_INST(4, 1, 2, 0) GEMV_INST(8, 1, 1, 0)  // batch-invariant decode buckets of 17..64 rows (no SwiGLU form)
+// batch-invariant decode buckets of 17..64 rows (no SwiGLU or fused-norm form)
+GEMV_INST_INVARIANT(4, 1, 2, 0) GEMV_INST_INVARIANT(8, 1, 1, 0)
 #endif

@@ -1,20 +1,22 @@
 // RMSNorm (1 + w) fused with the residual add (spec §6), and the GDN gated RMSNorm (plain w x silu(z), §4.8).
 #include "common.cuh"
 
-// One block per row. x, res, y: [rows, H] contiguous bf16, H % 8 == 0; w: f32 [H].
+// One block per row. x, res, y: [rows, H] contiguous bf16, H % 16 == 0, H <= 8 * RMS_MAX_VEC; w: f32 [H].
 // has_res: res = bf16(res + x), then y = norm(res); else y = norm(x) (the first layer: residual = x).
+// The sum of squares in common.cuh's fixed order: the same bits as gemv_bf16's fused norm (gemv.cu).
+#define RMS_MAX_VEC 1024
 extern "C" __global__ void __launch_bounds__(256) add_rms_norm_kernel(
     const bf16_t* __restrict__ x, bf16_t* res, bf16_t* __restrict__ y, const float* __restrict__ w,
     int H, float eps, int has_res)
 {
     pdl_enter();
-    __shared__ float red[33];
+    __shared__ float s8[RMS_MAX_VEC];  // sumsq8 of each 8-column vector
+    __shared__ float s_scale;
     const long long row = blockIdx.x;
     const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
     uint4* rr = reinterpret_cast<uint4*>(res + row * H);
     uint4* yr = reinterpret_cast<uint4*>(y + row * H);
     const int nvec = H >> 3;
-    float ss = 0.0f;
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
         float a[8];
         unpack8(xr[i], a);
@@ -25,20 +27,21 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_kernel(
             for (int e = 0; e < 8; ++e) a[e] = bf2f(f2bf(a[e] + b[e]));  // the residual stream is bf16
             rr[i] = pack8(a);
         }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss += a[e] * a[e];
+        s8[i] = sumsq8(a);
     }
-    const float scale = rsqrtf(block_sum(ss, red) / (float)H + eps);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const float ss = row_sumsq([&](int j) { return s8[2 * j] + s8[2 * j + 1]; }, H >> 4);
+        if (threadIdx.x == 0) s_scale = rms_scale(ss, H, eps);
+    }
+    __syncthreads();
+    const float scale = s_scale;
     const uint4* src = has_res ? rr : xr;  // this thread re-reads only what it wrote itself
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
         float a[8];
         unpack8(src[i], a);
-        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * i];
-        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * i + 1];
-        a[0] *= scale * (1.0f + w0.x); a[1] *= scale * (1.0f + w0.y);
-        a[2] *= scale * (1.0f + w0.z); a[3] *= scale * (1.0f + w0.w);
-        a[4] *= scale * (1.0f + w1.x); a[5] *= scale * (1.0f + w1.y);
-        a[6] *= scale * (1.0f + w1.z); a[7] *= scale * (1.0f + w1.w);
+        rms_apply8(a, scale, __ldg(reinterpret_cast<const float4*>(w) + 2 * i),
+                   __ldg(reinterpret_cast<const float4*>(w) + 2 * i + 1));
         yr[i] = pack8(a);
     }
 }

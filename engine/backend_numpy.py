@@ -213,6 +213,9 @@ class NumpyBackend:
     def linear(self, x, w):
         return x @ w.T
 
+    def linear_add_rms_norm(self, x, w_proj, residual, w, eps):
+        return self.add_rms_norm(self.linear(x, w_proj), residual, w, eps)
+
     def gather_rows(self, x, rows):
         return x[rows]
 

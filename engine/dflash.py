@@ -266,8 +266,7 @@ class DFlashDrafter(Drafter):
             # sliding layers: causal, the last sliding_window keys; the full-attention layer sees the whole block
             o = ops.attention(q, None, k_cache, v_cache, meta, causal=L["sliding"],
                               window=cfg.sliding_window if L["sliding"] else 0)
-            x = ops.linear(o, L["o_proj"])
-            h, residual = ops.add_rms_norm(x, residual, L["ln2"], eps)
+            h, residual = ops.linear_add_rms_norm(o, L["o_proj"], residual, L["ln2"], eps)
             x = ops.linear(ops.swiglu(h, L["gate_up"]), L["down"])
         rooms = rooms if rooms is not None else [B - 1] * len(reqs)
         rows = np.array([i * B + j for i, k in enumerate(rooms) for j in range(1, k + 1)], np.int32)

@@ -78,55 +78,56 @@ class Qwen35Model:
     def forward_meta(self, meta, cache, capture: Capture | None = None):
         ops, eps = self.ops, self.cfg.rms_norm_eps
         taps = Taps(capture.taps if capture else (), len(meta.step.tokens), self.cfg.hidden_size)
-        x, residual = ops.embed(self.embed, meta), None
+        layers = self.layers
+        h, residual = ops.add_rms_norm(ops.embed(self.embed, meta), None, layers[0]["ln1"], eps)
         lin = full = 0
-        for i, L in enumerate(self.layers):
-            h, residual = ops.add_rms_norm(x, residual, L["ln1"], eps)
+        for i, L in enumerate(layers):
             taps.keep(i - 1, residual)  # the stream after the layer before
             if L["kind"] == LINEAR:
-                x = self._gdn(L, h, meta, cache.conv[lin], cache.rec[lin])
+                o, w_o = self._gdn(L, h, meta, cache.conv[lin], cache.rec[lin]), L["out_proj"]
                 lin += 1
             else:
-                x = self.attention(L, h, meta, cache.k[full], cache.v[full])
+                o, w_o = self.attention(L, h, meta, cache.k[full], cache.v[full]), L["o_proj"]
                 full += 1
-            x, residual = self.mlp(L, x, residual)
-        rows, last = meta.step.logits_rows, len(self.layers) - 1
-        if capture is None or not (capture.post_norm or last in capture.taps):
+            # each sublayer's output projection with the norm after it (ops may fuse the two)
+            h, residual = ops.linear_add_rms_norm(o, w_o, residual, L["ln2"], eps)
+            a = ops.swiglu(h, L["gate_up"])
+            if i + 1 < len(layers):
+                h, residual = ops.linear_add_rms_norm(a, L["down"], residual, layers[i + 1]["ln1"], eps)
+        rows, last = meta.step.logits_rows, len(layers) - 1
+        if len(rows) == len(meta.step.tokens):  # every row samples (decode, verify): the final norm as the others
+            h, residual = ops.linear_add_rms_norm(a, layers[last]["down"], residual, self.norm, eps)
+            logits = ops.linear(h, self.lm_head)
+        elif capture is None or not (capture.post_norm or last in capture.taps):  # the final norm on those rows
+            x = ops.linear(a, layers[last]["down"])
             h, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)
             logits = ops.linear(h, self.lm_head)
         else:  # the final norm over every row
-            h, residual = ops.add_rms_norm(x, residual, self.norm, eps)
-            taps.keep(last, residual)
+            h, residual = ops.add_rms_norm(ops.linear(a, layers[last]["down"]), residual, self.norm, eps)
             logits = ops.linear(ops.gather_rows(h, rows), self.lm_head)
+        taps.keep(last, residual)  # (the stream after the last layer, where it was computed)
         if capture is None:
             return logits
         return logits, ({"post_norm": h} if capture.post_norm else {}) | ({"taps": taps.out} if capture.taps else {})
 
-    def mlp(self, L, x, residual):
-        """The second half of a decoder layer: residual += x (the token mixer's output), the post-attention
-        norm and the SwiGLU MLP. Returns (MLP output, residual), the output not yet added (the next norm
-        adds it). The MTP layer (mtp.py) runs through this and attention() too."""
-        ops = self.ops
-        h, residual = ops.add_rms_norm(x, residual, L["ln2"], self.cfg.rms_norm_eps)
-        return ops.linear(ops.swiglu(h, L["gate_up"]), L["down"]), residual
-
     def _gdn(self, L, h, meta, conv_state, rec_state):
+        """The GDN token mixer up to its output projection (L["out_proj"])."""
         cfg, ops = self.cfg, self.ops
         c, vd, nv = cfg.conv_dim, cfg.value_dim, cfg.lin_num_v_heads
         proj = ops.linear(h, L["in_proj"])  # [T, qkv | z | b | a]
         qkv = ops.conv1d(proj[:, :c], L["conv"], conv_state, meta)
         o = ops.delta_rule(qkv, proj[:, c + vd + nv:], proj[:, c + vd:c + vd + nv], L["A_log"], L["dt_bias"],
                            rec_state, meta)
-        o = ops.gated_rms_norm(o, proj[:, c:c + vd], L["norm"], cfg.rms_norm_eps)
-        return ops.linear(o, L["out_proj"])
+        return ops.gated_rms_norm(o, proj[:, c:c + vd], L["norm"], cfg.rms_norm_eps)
 
     def attention(self, L, h, meta, k_cache, v_cache):
+        """Gated attention up to its output projection (L["o_proj"]); the MTP layer (mtp.py) runs it too."""
         cfg, ops = self.cfg, self.ops
         nq, nkv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         proj = ops.linear(h, L["qkv"])  # [T, q_gate | k | v]
         q, gate = ops.attn_prep(proj[:, :nq], proj[:, nq:nq + nkv], proj[:, nq + nkv:], L["q_norm"], L["k_norm"],
                                 k_cache, v_cache, meta, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)
-        return ops.linear(ops.attention(q, gate, k_cache, v_cache, meta), L["o_proj"])
+        return ops.attention(q, gate, k_cache, v_cache, meta)
 
 
 class Taps:

@@ -134,7 +134,8 @@ class MtpDrafter(Drafter):
         h, _ = ops.add_rms_norm(hidden, None, self.norm_hidden, eps)
         # the layer's input norm adds the two halves' products: u = fc @ [e; h] without a concat
         x, u = ops.add_rms_norm(ops.linear(e, self.fc_embed), ops.linear(h, self.fc_hidden), L["ln1"], eps)
-        x, residual = m.mlp(L, m.attention(L, x, meta, self.k, self.v), u)
+        h, residual = ops.linear_add_rms_norm(m.attention(L, x, meta, self.k, self.v), L["o_proj"], u, L["ln2"], eps)
+        x = ops.linear(ops.swiglu(h, L["gate_up"]), L["down"])
         rows = step.logits_rows
         g, _ = ops.add_rms_norm(ops.gather_rows(x, rows), ops.gather_rows(residual, rows), self.norm, eps)
         return g

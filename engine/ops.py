@@ -91,6 +91,10 @@ class Backend(Protocol):
     def linear(self, x, w) -> Any:
         """x [M, K] (a column view allowed) @ w [N, K]^T -> [M, N] (f32 for the lm_head)."""
 
+    def linear_add_rms_norm(self, x, w_proj, residual, w, eps: float) -> tuple[Any, Any]:
+        """add_rms_norm(linear(x, w_proj), residual, w, eps), residual not None, with the same results: a
+        sublayer's output projection and the norm after it, one op so a backend can fuse them."""
+
     def weight_gate_up(self, gate, up) -> Any:
         """An MLP's gate and up matrices ([F, H] checkpoint arrays) -> the backend's fused weight for
         swiglu (its row order is the backend's own)."""

@@ -186,3 +186,26 @@ def test_gemm_inv_rows_equal_gemv_rows(be_inv, no_cublas, name):
     for M in (17, 32, 33, 64, 65, 129):
         assert np.array_equal(bits(be_inv.linear(x[200:200 + M], w)), big[200:200 + M]), M
     assert not no_cublas[0]
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("producer", ["down", "o_proj", "tiny"])
+def test_fused_norm(be, no_cublas, producer, M):
+    """linear_add_rms_norm: up to GEMV_FUSED_NORM_MAX_M rows one GEMV adds its output into the residual and
+    its last block normalizes the rows (gemv.cu OUT = 3); above, the GEMV then add_rms_norm. Either way the
+    same bits as the two ops, residual and normalized rows; and the block counter is left at zero."""
+    if producer == "tiny":  # the tiny preset's widths: hidden 128
+        cupy.random.seed(M)
+        Hp, wp = 128, dev_bits(128, 256, scale=256 ** -0.5)
+    else:
+        Hp, wp = H, weight(producer)[0]
+    cupy.random.seed(1000 + M)
+    x, res = dev_bits(M, wp.shape[1]), dev_bits(M, Hp, scale=3.0)
+    w = cupy.random.standard_normal(Hp, dtype=cupy.float32) * 0.1
+    for _ in range(2):  # twice: the second call finds the counter the first left
+        h1, r1 = be.add_rms_norm(be.linear(x, wp), res.copy(), w, 1e-6)
+        h2, r2 = be.linear_add_rms_norm(x, wp, res.copy(), w, 1e-6)
+        assert np.array_equal(cupy.asnumpy(r1), cupy.asnumpy(r2))
+        assert np.array_equal(cupy.asnumpy(h1), cupy.asnumpy(h2))
+        assert int(be._gemv_count[0]) == 0
+    assert not no_cublas[0]

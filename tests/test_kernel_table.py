@@ -18,13 +18,14 @@ def _instantiated(file: str) -> set[str]:
     macros = {m[0]: ([p.strip() for p in m[1].split(",")], m[2])
               for m in re.findall(r"#define\s+(\w+)\(([^)]*)\)(.*)", body)}
     body = re.sub(r"#define.*", "", body)
-    for name, (params, expansion) in macros.items():
-        def expand(m, params=params, expansion=expansion):
-            out = expansion
-            for p, v in zip(params, m.group(1).split(",")):
-                out = re.sub(rf"\b{p}\b", v.strip(), out)
-            return out
-        body = re.sub(rf"\b{name}\(([^)]*)\)", expand, body)
+    for _ in range(len(macros)):  # macros may expand to other macros' calls
+        for name, (params, expansion) in macros.items():
+            def expand(m, params=params, expansion=expansion):
+                out = expansion
+                for p, v in zip(params, m.group(1).split(",")):
+                    out = re.sub(rf"\b{p}\b", v.strip(), out)
+                return out
+            body = re.sub(rf"\b{name}\(([^)]*)\)", expand, body)
     found = re.findall(r"template\s+__global__\s+void\s+(\w+)<([^>]*)>", body)
     return {f"{n}<{', '.join(a.strip() for a in args.split(','))}>" for n, args in found}
 

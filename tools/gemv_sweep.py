@@ -19,7 +19,7 @@ import cupy
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from bench_kernels import bits, graph_ms  # noqa: E402
-from engine.gpu.backend import CudaBackend, i32, i64  # noqa: E402
+from engine.gpu.backend import NULL, CudaBackend, f32, i32, i64  # noqa: E402
 from engine.gpu.gemv_plan import gemv_launch, gemv_plan  # noqa: E402
 from engine.gpu.kernels import gemv_name  # noqa: E402
 
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
                 if fn.fn.num_regs * 32 * nw > 65536:  # would not launch
                     continue
                 ms = graph_ms(lambda i: fn((blocks,), (32 * nw,), (x, i64(K), ws[i % len(ws)], y, i32(M), i32(N),
-                                                                   i32(K)), shared_mem=smem))
+                                                                   i32(K), NULL, NULL, f32(0), NULL, NULL), shared_mem=smem))
                 res.append(dict(kernel=name, warps=nw, us=ms * 1e3, gbs=N * K * 2 / ms / 1e6,
                                 plan=launch == plan))
             res.sort(key=lambda e: e["us"])

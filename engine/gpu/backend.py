@@ -43,6 +43,11 @@ GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI
 # the longest context, so a row's partial sums would change with its neighbours)
 INVARIANT_SPLIT_KEYS = 256
 i32, i64, f32 = np.int32, np.int64, np.float32
+NULL = np.uint64(0)  # a null pointer argument
+# linear_add_rms_norm fuses the residual norm into the GEMV up to this many rows: its last block normalizes
+# all M rows alone (cuda/gemv.cu OUT = 3)
+GEMV_FUSED_NORM_MAX_M = 4
+GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), kernels.define("norm.cu", "RMS_MAX_VEC")
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -93,6 +98,9 @@ class CudaBackend:
         self.num_sms = dev.attributes["MultiProcessorCount"]
         self.kernels = kernels.Kernels(dev.compute_capability)
         self._fn = self.kernels.fn
+        # the fused norm's GEMVs' block counter (gemv.cu OUT = 3; its last block re-zeroes it): one for all,
+        # as every kernel runs on the one current stream, in order
+        self._gemv_count = cupy.zeros(1, cupy.uint32)
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
         get_gemm()
@@ -299,7 +307,7 @@ class CudaBackend:
         """residual += x (in place, bf16); returns (RMSNorm1p(residual), residual). None: first layer."""
         x = cupy.ascontiguousarray(x)
         T, H = x.shape
-        assert H % 8 == 0
+        assert H % 16 == 0 and H <= 8 * RMS_MAX_VEC, f"add_rms_norm: width {H}"
         y = self._empty((T, H))
         has_res = residual is not None
         if has_res:
@@ -309,6 +317,22 @@ class CudaBackend:
             self._fn("norm.cu", "add_rms_norm_kernel")((T,), (min(256, max(32, ((H // 8 + 31) // 32) * 32)),),
                                                   (x, res, y, w, i32(H), f32(eps), i32(has_res)))
         return y, res
+
+    def linear_add_rms_norm(self, x, w_proj, residual, w, eps):
+        """add_rms_norm(linear(x, w_proj), residual, w, eps). Up to GEMV_FUSED_NORM_MAX_M rows one GEMV does
+        it all (gemv.cu OUT = 3: the add into residual, then its last block's norm; the same bits as the two
+        ops), so the norm's own launch (~3 us; 64 per 4B decode step) is gone."""
+        M, H = x.shape[0], w_proj.shape[0]
+        if (residual is not None and 1 <= M <= GEMV_FUSED_NORM_MAX_M and H % 16 == 0 and H // 16 <= GEMV_MAX_GROUPS
+                and residual.flags.c_contiguous and residual.shape == (M, H)):
+            gx = self._gemv_input(x, w_proj)
+            if gx is not None:
+                h = self._empty((M, H))
+                part = self._empty((M, H // 16), cupy.float32)  # the rows' 16-column group sums of squares
+                self._gemv(*gx, w_proj, residual, kernels.GEMV_OUT["residual"],
+                           norm=(part, w, f32(eps), h, self._gemv_count))
+                return h, residual
+        return self.add_rms_norm(self.linear(x, w_proj), residual, w, eps)
 
     def linear(self, x, w):
         """y = x @ w^T. bf16 out, except f32 for the lm_head (the only weight with >= LOGITS_ROWS rows):
@@ -356,11 +380,13 @@ class CudaBackend:
             x = x.copy()
         return x, i64(x.strides[0] // 2) if M > 1 else i64(K)
 
-    def _gemv(self, x, sx, w, out, mode: int) -> None:
+    def _gemv(self, x, sx, w, out, mode: int, norm: tuple = (NULL, NULL, f32(0), NULL, NULL)) -> None:
+        """gemv_bf16: out = x @ w^T in form mode (kernels.GEMV_OUT); norm: the residual form's (group sums,
+        norm weight, eps, normalized output, block counter)."""
         M, K = x.shape
         N = w.shape[0]
         name, blocks, nw, smem = gemv_plan(M, N, K, mode)
-        self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K)),
+        self._fn("gemv.cu", name, smem)((blocks,), (32 * nw,), (x, sx, w, out, i32(M), i32(N), i32(K), *norm),
                                         shared_mem=smem)
 
     def _silu_mul(self, gate_up):

@@ -39,6 +39,8 @@ def gemv_plan(M: int, N: int, K: int, out: int) -> tuple[str, int, int, int]:
 
 
 def gemv_launch(v: tuple[int, int, int, int], out: int, N: int, nw: int) -> tuple[str, int, int, int]:
-    """(kernel, blocks, warps per block, shared bytes) of variant v = (MT, R, U, PF) with nw warps a block."""
+    """(kernel, blocks, warps per block, shared bytes) of variant v = (MT, R, U, PF) with nw warps a block
+    (the residual form keeps the block's new residual values beside the warps' partial sums)."""
     mt, r, u, pf = v
-    return gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw, nw * 16 * r * 8 * mt * 4
+    tile = 16 * r * 8 * mt * 4
+    return gemv_name(mt, r, u, pf, out), -(-N // (16 * r)), nw, nw * tile + (tile if out == 3 else 0)

@@ -51,13 +51,14 @@ SM90A = "90"
 GDN_CLUSTERS = (1, 2)
 CONV_K = (2, 3, 4)
 # gemv_bf16<MT, R, U, PF, OUT>: x tiles of 8 rows, 16-row W groups per warp, 32-k steps per load batch, L2
-# 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU); the last two variants serve only the
-# batch-invariant decode buckets of 17..64 rows (no SwiGLU form: the backend runs those as OUT = 0 + silu_mul)
+# 256-byte prefetch hint, output (0 bf16, 1 f32, 2 SwiGLU, 3 the residual add and RMSNorm after it); the last
+# two variants serve only the batch-invariant decode buckets of 17..64 rows (OUT 0 and 1: the backend runs
+# SwiGLU there as OUT = 0 + silu_mul, and the norms unfused)
 GEMV_VARIANTS = ((1, 1, 4, 1), (2, 1, 4, 1), (1, 1, 2, 0), (1, 2, 2, 0), (2, 2, 2, 0), (4, 1, 2, 0), (8, 1, 1, 0))
 GEMV_INVARIANT_ONLY = ((4, 1, 2, 0), (8, 1, 1, 0))
 
 
-GEMV_OUT = {"bf16": 0, "f32": 1, "swiglu": 2}
+GEMV_OUT = {"bf16": 0, "f32": 1, "swiglu": 2, "residual": 3}
 
 
 def gemv_name(mt: int, r: int, u: int, pf: int, out: int) -> str:
@@ -65,7 +66,7 @@ def gemv_name(mt: int, r: int, u: int, pf: int, out: int) -> str:
 
 
 def _gemv_names(variants) -> list[str]:
-    return [gemv_name(*v, o) for v in variants for o in (0, 1, 2) if o < 2 or v not in GEMV_INVARIANT_ONLY]
+    return [gemv_name(*v, o) for v in variants for o in (0, 1, 2, 3) if o < 2 or v not in GEMV_INVARIANT_ONLY]
 
 
 INSTANCES = {
