@@ -80,8 +80,9 @@ class Meta:
     # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
     # number of leading rows on attn_fwd: the decodes' and verifies')
     prefill_tiles: tuple | None = None
-    # what every layer of one kind computes alike for this step (views, scratch buffers, split counts), made by
-    # the first: ~2-3 us of host per CuPy view or allocation, ~400 of them in an eager forward
+    # what every layer of one kind derives alike from this step (views of these arrays, split counts), made by
+    # the first (~2 us of host per CuPy view). Never a buffer: a Meta may serve several forwards under
+    # different memory pools (DecodeGraphs.capture), and a captured graph must not keep another pool's memory
     shared: dict = field(default_factory=dict)
 
 
@@ -461,13 +462,13 @@ class CudaBackend:
             return out
         C = GDN_C
         n_chunks = -(-meta.max_new // C)
-        key = ("gdn_chunked", nv, dk, dv)
-        if key not in meta.shared:  # the chunked form's sequences; the workspace, reused by every layer in turn
-            meta.shared[key] = (meta.cu_seqlens[nd:], meta.slots[nd:], meta.save_at[nd:], meta.save_rows[nd:],
-                                self._empty((nv, T, 2 * dk + 8)),  # W: bf16 hi | lo pairs, rows padded as the
-                                self._empty((nv, dv // 32, T, 32), cupy.float32),  # state pass stages them (U)
-                                self._empty((nv, T, 2 * C + 8)), self._empty((nv, T, 4), cupy.float32))  # P, aux
-        cu, slots, save_at, save_rows, W, U, P, aux = meta.shared[key]
+        if "gdn_chunked" not in meta.shared:  # the chunked form's sequences
+            meta.shared["gdn_chunked"] = meta.cu_seqlens[nd:], meta.slots[nd:], meta.save_at[nd:], meta.save_rows[nd:]
+        cu, slots, save_at, save_rows = meta.shared["gdn_chunked"]
+        W = self._empty((nv, T, 2 * dk + 8))  # bf16 hi | lo pairs, rows padded as the state pass stages them (gdn.cu)
+        U = self._empty((nv, dv // 32, T, 32), cupy.float32)
+        P = self._empty((nv, T, 2 * C + 8))
+        aux = self._empty((nv, T, 4), cupy.float32)
         # prep copies q, k and v rows in 16-byte pieces, the state pass q and k rows; one thread per column of [W | U]
         assert _rs(qkv) % 8 == 0 and qkv.data.ptr % 16 == 0 and dv % 8 == 0, \
             "gdn_chunk_prep: q/k/v rows not 16-byte aligned"
@@ -581,10 +582,13 @@ class CudaBackend:
         if not n_dec:
             return out
         key = ("attn_split", hd, G, nkv, n_dec)
-        if key not in meta.shared:  # the same for every attention layer of the step, its partials' buffers too
+        if key not in meta.shared:  # the same for every attention layer of the step
             meta.shared[key] = self._attn_split(meta, hd, G, nkv, n_dec)
-        chunk, nsplit, part_acc, part_ml = meta.shared[key]
-        if nsplit == 1:
+        chunk, nsplit = meta.shared[key]
+        if nsplit > 1:
+            part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
+            part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)
+        else:
             part_acc = part_ml = out  # unused
         last = meta.positions if causal else meta.seq_lens[meta.tok_seq] - 1  # each token's last key
         self._fn("attention.cu", f"attn_fwd<{hd}, {G}>")(
@@ -598,8 +602,8 @@ class CudaBackend:
         return out
 
     def _attn_split(self, meta: Meta, hd: int, G: int, nkv: int, n_dec: int):
-        """attn_fwd's key split for the step's first n_dec rows: (keys per split or 0 for even splits, number
-        of splits, the partial sums' buffers or None)."""
+        """attn_fwd's key split for the step's first n_dec rows: (keys per split, or 0 for even splits; number
+        of splits)."""
         if self.batch_invariant:  # splits at fixed key offsets (an empty split changes nothing in attn_combine)
             chunk = INVARIANT_SPLIT_KEYS
             nsplit = -(-meta.max_ctx // chunk)
@@ -613,8 +617,4 @@ class CudaBackend:
             slots = self.num_sms * self.kernels.resident("attention.cu", f"attn_fwd<{hd}, {G}>", 128)
             nsplit = max(1, min(slots // base, -(-meta.max_ctx // ATTN_MIN_SPLIT_KEYS)))
             chunk = 0
-        if nsplit == 1:
-            return chunk, nsplit, None, None
-        nh = nkv * G
-        return (chunk, nsplit, cupy.empty((n_dec, nh, nsplit, hd), cupy.float32),
-                cupy.empty((n_dec, nh, nsplit, 2), cupy.float32))
+        return chunk, nsplit
