@@ -1,6 +1,7 @@
 """Test helpers for the HTTP server: a real `qwen35 serve` subprocess and an SSE parser."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -34,9 +35,16 @@ class ServerProcess:
                     "--port", str(self.port), "--device", device, "--served-model-name", name,
                     "--uvicorn-log-level", "warning", *args]
         self.ready_timeout = ready_timeout
+        self.device = device
         self.returncode = None
 
     def __enter__(self) -> "ServerProcess":
+        if self.device != "cpu" and "cupy" in sys.modules:
+            # this process's CuPy pool keeps the freed blocks of the GPU tests before it (engines, 4B weights):
+            # give them back, or the server's memory plan counts them as used (the likely reason a GPU server
+            # failed to start late in the suite on an 80 GB card)
+            gc.collect()
+            sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
         # keep the caller's PYTHONPATH (e.g. wheels installed into a side folder on the GPU machine)
         env = dict(os.environ, **self.env,
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
