@@ -99,26 +99,27 @@ def main(argv=None) -> None:
     cache = model.alloc_cache(nmax + 2, 1 + nmax * need + pre, BS)  # slot 0 / page 0: the graphs' dummies
     rng = np.random.default_rng(0)
     out = []
-    for L in lengths:  # slot nmax + 1, the pages after the decode sequences'
-        pages = list(range(1 + nmax * need, 1 + nmax * need + -(-L // BS)))
-        st = Step.build([(list(rng.integers(0, 248000, L)), 0, nmax + 1, pages)])
+
+    def eager(label, chunks):  # an eager forward of these chunks
+        st = Step.build(chunks)
         fwd = lambda: model.forward(st, cache)  # noqa: E731
         wall = time_per_call(fwd, model.ops, a.reps) * 1e3
         host = host_per_call(fwd, model.ops, a.reps) * 1e3
-        out.append(report(f"prefill {L} tokens", profile(fwd, a.reps), wall, host, a.top))
+        out.append(report(label, profile(fwd, a.reps), wall, host, a.top))
+
+    def prompt(P):  # P prompt tokens in slot nmax + 1, on the pages after the decode sequences'
+        first = 1 + nmax * need
+        return list(rng.integers(0, 248000, P)), 0, nmax + 1, list(range(first, first + -(-P // BS)))
 
     def decodes(B):  # B sequences decoding at position ctx in slots 1..B; the KV's values do not matter for speed
         return [([int(rng.integers(0, 248000))], a.ctx, i + 1, list(range(1 + i * need, 1 + (i + 1) * need)))
                 for i in range(B)]
 
-    for P in mixed:  # the decode rows first, as the scheduler orders them; the chunk in the prefill's slot and pages
-        pages = list(range(1 + nmax * need, 1 + nmax * need + -(-P // BS)))
-        st = Step.build(decodes(a.mixed_decodes) + [(list(rng.integers(0, 248000, P)), 0, nmax + 1, pages)])
-        fwd = lambda: model.forward(st, cache)  # noqa: E731
-        wall = time_per_call(fwd, model.ops, a.reps) * 1e3
-        host = host_per_call(fwd, model.ops, a.reps) * 1e3
-        out.append(report(f"mixed step: {a.mixed_decodes} decodes (ctx {a.ctx}) + {P} prompt tokens",
-                          profile(fwd, a.reps), wall, host, a.top))
+    for L in lengths:
+        eager(f"prefill {L} tokens", [prompt(L)])
+    for P in mixed:  # the decode rows first, as the scheduler orders them
+        eager(f"mixed step: {a.mixed_decodes} decodes (ctx {a.ctx}) + {P} prompt tokens",
+              decodes(a.mixed_decodes) + [prompt(P)])
     if batches:
         graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0,
                               max_blocks_per_seq=max(need, -(-a.max_model_len // BS)))

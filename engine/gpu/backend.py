@@ -18,7 +18,7 @@ Conventions
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -80,10 +80,10 @@ class Meta:
     # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
     # number of leading rows on attn_fwd: the decodes' and verifies')
     prefill_tiles: tuple | None = None
-    # what every layer of one kind derives alike from this step (views of these arrays, split counts), made by
-    # the first (~2 us of host per CuPy view). Never a buffer: a Meta may serve several forwards under
-    # different memory pools (DecodeGraphs.capture), and a captured graph must not keep another pool's memory
-    shared: dict = field(default_factory=dict)
+    # delta_rule()'s chunked-form sequences, views from n_rec on (cu_seqlens, slots, save_at, save_rows), made by
+    # the first GDN layer (~2 us of host per CuPy view). Views only, never a buffer: a Meta may serve several
+    # forwards under different memory pools (DecodeGraphs.capture)
+    chunked: tuple | None = None
 
 
 class CudaBackend:
@@ -462,9 +462,9 @@ class CudaBackend:
             return out
         C = GDN_C
         n_chunks = -(-meta.max_new // C)
-        if "gdn_chunked" not in meta.shared:  # the chunked form's sequences
-            meta.shared["gdn_chunked"] = meta.cu_seqlens[nd:], meta.slots[nd:], meta.save_at[nd:], meta.save_rows[nd:]
-        cu, slots, save_at, save_rows = meta.shared["gdn_chunked"]
+        if meta.chunked is None:
+            meta.chunked = meta.cu_seqlens[nd:], meta.slots[nd:], meta.save_at[nd:], meta.save_rows[nd:]
+        cu, slots, save_at, save_rows = meta.chunked
         W = self._empty((nv, T, 2 * dk + 8))  # bf16 hi | lo pairs, rows padded as the state pass stages them (gdn.cu)
         U = self._empty((nv, dv // 32, T, 32), cupy.float32)
         P = self._empty((nv, T, 2 * C + 8))
@@ -581,10 +581,7 @@ class CudaBackend:
                     shared_mem=smem)
         if not n_dec:
             return out
-        key = ("attn_split", hd, G, nkv, n_dec)
-        if key not in meta.shared:  # the same for every attention layer of the step
-            meta.shared[key] = self._attn_split(meta, hd, G, nkv, n_dec)
-        chunk, nsplit = meta.shared[key]
+        chunk, nsplit = self._attn_split(meta, hd, G, nkv, n_dec)
         if nsplit > 1:
             part_acc = cupy.empty((n_dec, nh, nsplit, hd), cupy.float32)
             part_ml = cupy.empty((n_dec, nh, nsplit, 2), cupy.float32)

@@ -172,13 +172,14 @@ class Gemm:
         if M == 0:
             return out
         stream = cupy.cuda.get_current_stream()
-        plan = self.plans.get((M, N, K, ldx, f32_out))
+        key = (M, N, K, ldx, f32_out)
+        plan = self.plans.get(key)
         if plan is None:
             tune = TUNE_M[0] <= M <= TUNE_M[1] and not stream.is_capturing()
             plan = _Plan(self, M, N, K, ldx, K, f32_out, TUNE_CANDIDATES if tune else 1)
             if tune and len(plan.candidates) > 1:
                 self._tune(plan, x, w, out, stream)
-            self.plans[(M, N, K, ldx, f32_out)] = plan
+            self.plans[key] = plan
         self._run(plan, x, w, out, stream.ptr)
         return out
 
