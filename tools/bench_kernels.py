@@ -88,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--json", help="output path (default $OUT/bench_kernels.json, else ./bench_kernels.json)")
     ap.add_argument("--no-steps", action="store_true", help="per-op table only")
     ap.add_argument("--prefill", default="1024,8192")
+    ap.add_argument("--max-model-len", type=int, default=8464,
+                    help="the decode graphs' context, as the server sizes them (the attention split depends on it)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="CudaBackend(batch_invariant=True): gemm_inv for M > 16, fixed attention splits")
     args = ap.parse_args(argv)
@@ -180,7 +182,7 @@ def main(argv=None):
         res["prefill"] = prefill_times([int(x) for x in args.prefill.split(",")], batch_invariant=args.batch_invariant)
         import bench_decode
         dec = str(Path(out).with_name("bench_decode.json"))
-        bench_decode.main(["--json", dec] + (["--batch-invariant"] if args.batch_invariant else []))
+        bench_decode.main(["--json", dec, "--max-model-len", str(args.max_model_len)] + (["--batch-invariant"] if args.batch_invariant else []))
         res["decode"] = json.loads(Path(dec).read_text())
     Path(out).write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
