@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prep(
 }
 
 #define ATTN_WARPS 4
-#define ATTN_MIN_SPLIT_KEYS 16
+#define ATTN_MIN_SPLIT_KEYS 64
 
 // The transpose of an 8 x 8 b16 matrix held as one register per lane (lane g * 4 + t: row g, columns
 // 2t and 2t + 1), delivered in the same layout.
@@ -247,59 +247,64 @@ __global__ void __launch_bounds__(128, HD >= 256 ? 2 : HD >= 128 ? 3 : 4) attn_f
     }
 }
 
-// grid T*nh, 128 threads: merge the splits of one (token, head), apply the gate. All threads first turn
-// ATTN_COMBINE_TILE splits' maxima into weights exp(m_s - M) in shared memory; then warp w sums splits
-// w, w + 4, .. with every lane holding hd / 32 elements, loads that do not wait on each other (a decode
-// graph's grid has ~66 splits for even a short context: one thread per element walking them all with a
-// dependent chain took ~15 us); the 4 warps' sums are merged last. An empty split (m = -inf) weighs 0 and
-// its zero partials add nothing.
-#define ATTN_COMBINE_TILE 128
-extern "C" __global__ void __launch_bounds__(128) attn_combine(
+// grid (T*nh, hd / 64), 256 threads: merge the splits of 64 dims of one (token, head), apply the gate.
+// Latency-bound (a decode graph's grid has ~66 splits for even a short context, and at batch 1 only nh
+// rows): the threads first take the maximum M of the splits' m; then 16 groups of 16 threads sum splits
+// j, j + 16, .. (group j), each thread 4 dims by one float4 load, loads that do not wait on each other,
+// so the whole walk is ~2 L2 round trips (one warp per 4 x 64 dims walking every split took ~8 us);
+// the groups' sums are merged last, in group order. An empty split (m = -inf) weighs 0 and its zero
+// partials add nothing.
+#define ATTN_COMBINE_GROUPS 16
+extern "C" __global__ void __launch_bounds__(256) attn_combine(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const bf16_t* __restrict__ gate,
     long long sg_t, long long sg_h, bf16_t* __restrict__ out, int nh, int hd, int nsplit)
 {
     pdl_enter();
-    __shared__ float s_c[ATTN_COMBINE_TILE], s_red[4], s_acc[4][256];  // hd <= 256
+    __shared__ float s_red[8], s_l[ATTN_COMBINE_GROUPS];
+    __shared__ float4 s_acc[ATTN_COMBINE_GROUPS][16];
     const long long row = blockIdx.x;  // t * nh + h
     const long long t = row / nh, h = row % nh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = threadIdx.x >> 4, q = threadIdx.x & 15;
     const float* ml = part_ml + 2 * row * nsplit;
     float M = NEG_INF;
     for (int s = threadIdx.x; s < nsplit; s += blockDim.x) M = fmaxf(M, ml[2 * s]);
     M = warp_max(M);
     if (lane == 0) s_red[warp] = M;
     __syncthreads();
-    M = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
-    float L = 0.0f, acc[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int s0 = 0; s0 < nsplit; s0 += ATTN_COMBINE_TILE) {
-        const int n = min(nsplit - s0, ATTN_COMBINE_TILE);
-        __syncthreads();  // the previous tile's weights (and s_red) are read
-        if (threadIdx.x < n) {
-            const float ms = ml[2 * (s0 + threadIdx.x)];
-            s_c[threadIdx.x] = ms == NEG_INF ? 0.0f : expf(ms - M);
+    for (int w = 0; w < 8; ++w) M = fmaxf(M, s_red[w]);
+    float L = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4* pa = reinterpret_cast<const float4*>(part_acc + row * nsplit * hd + blockIdx.y * 64) + q;
+    for (int s0 = grp; s0 < nsplit; s0 += 4 * ATTN_COMBINE_GROUPS) {  // 4 splits' loads issued together
+        float ms[4], ls[4];
+        float4 a[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int s = s0 + u * ATTN_COMBINE_GROUPS;
+            const bool ok = s < nsplit;
+            ms[u] = ok ? ml[2 * s] : NEG_INF;
+            ls[u] = ok ? ml[2 * s + 1] : 0.0f;
+            a[u] = ok ? pa[(long long)s * (hd / 4)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-        __syncthreads();
-#pragma unroll 2
-        for (int s = warp; s < n; s += 4) {
-            const float c = s_c[s];
-            L += ml[2 * (s0 + s) + 1] * c;
-            const float* pa = part_acc + (row * nsplit + s0 + s) * hd + lane;
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i * 32 < hd) acc[i] += pa[i * 32] * c;
+        for (int u = 0; u < 4; ++u) {
+            const float c = expf(ms[u] - M);  // 0 for an empty split (m = -inf; M is finite)
+            L += ls[u] * c;
+            acc.x += a[u].x * c; acc.y += a[u].y * c; acc.z += a[u].z * c; acc.w += a[u].w * c;
         }
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        if (i * 32 < hd) s_acc[warp][i * 32 + lane] = acc[i];
-    __syncthreads();  // every warp has read s_red (M) long before: it now holds the warps' L
-    if (lane == 0) s_red[warp] = L;
+    s_acc[grp][q] = acc;
+    if (q == 0) s_l[grp] = L;
     __syncthreads();
-    const float Lt = s_red[0] + s_red[1] + s_red[2] + s_red[3];
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        const float A = s_acc[0][d] + s_acc[1][d] + s_acc[2][d] + s_acc[3][d];
+    if (threadIdx.x < 64) {
+        float A = 0.0f, Lt = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATTN_COMBINE_GROUPS; ++j) {
+            A += reinterpret_cast<const float*>(&s_acc[j][threadIdx.x >> 2])[threadIdx.x & 3];
+            Lt += s_l[j];
+        }
+        const int d = blockIdx.y * 64 + threadIdx.x;
         out[row * hd + d] = f2bf(A / Lt * sigmoid_f(bf2f(gate[t * sg_t + h * sg_h + d])));
     }
 }

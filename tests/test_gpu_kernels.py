@@ -317,8 +317,8 @@ def test_attention_long_decode_split(be, ref, ctx):
 
 
 def test_attention_combine_over_many_splits(ref):
-    """Batch-invariant decode attention with a 40000-token context bound: 157 fixed splits (more than the
-    combine's 128-split tile; those past each context empty) merged into the reference's result."""
+    """Batch-invariant decode attention with a 40000-token context bound: 157 fixed splits (three rounds of
+    the combine's 4 x 16 split groups; those past each context empty) merged into the reference's result."""
     rng = np.random.default_rng(11)
     nh, nkv, hd, bs = 16, 4, 128, 16
     inv = CudaBackend(poison=True, batch_invariant=True)

@@ -593,7 +593,7 @@ class CudaBackend:
             (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, last,
              i32(nkv), i32(bs), i32(chunk), i32(window), f32(hd ** -0.5), out, part_acc, part_ml))
         if nsplit > 1:
-            self._fn("attention.cu", "attn_combine")((n_dec * nh,), (128,),
+            self._fn("attention.cu", "attn_combine")((n_dec * nh, hd // 64), (256,),
                                                 (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
                                                  i32(nsplit)))
         return out
