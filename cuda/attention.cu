@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(128, HD >= 256 ? 2 : HD >= 128 ? 3 : 4) attn_f
     }
 }
 
-// grid (T*nh, hd / 64), 256 threads: merge the splits of 64 dims of one (token, head), apply the gate.
+// grid (T*nh, hd / ATTN_COMBINE_DIMS), ATTN_COMBINE_THREADS threads: merge the splits of ATTN_COMBINE_DIMS
+// dims of one (token, head), apply the gate.
 // Latency-bound (a decode graph's grid has ~66 splits for even a short context, and at batch 1 only nh
 // rows): the threads first take the maximum M of the splits' m; then 16 groups of 16 threads sum splits
 // j, j + 16, .. (group j), each thread 4 dims by one float4 load, loads that do not wait on each other,
@@ -255,16 +256,20 @@ __global__ void __launch_bounds__(128, HD >= 256 ? 2 : HD >= 128 ? 3 : 4) attn_f
 // the groups' sums are merged last, in group order. An empty split (m = -inf) weighs 0 and its zero
 // partials add nothing.
 #define ATTN_COMBINE_GROUPS 16
-extern "C" __global__ void __launch_bounds__(256) attn_combine(
+#define ATTN_COMBINE_DIMS 64      // dims per block: 16 threads x 4 (the launcher reads it)
+#define ATTN_COMBINE_THREADS 256  // ATTN_COMBINE_GROUPS x 16 (the launcher reads it)
+extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS) attn_combine(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const bf16_t* __restrict__ gate,
     long long sg_t, long long sg_h, bf16_t* __restrict__ out, int nh, int hd, int nsplit)
 {
+    static_assert(ATTN_COMBINE_THREADS == ATTN_COMBINE_GROUPS * ATTN_COMBINE_DIMS / 4, "a group: 4 dims a thread");
     pdl_enter();
-    __shared__ float s_red[8], s_l[ATTN_COMBINE_GROUPS];
-    __shared__ float4 s_acc[ATTN_COMBINE_GROUPS][16];
+    constexpr int NW = ATTN_COMBINE_THREADS / 32, GT = ATTN_COMBINE_DIMS / 4;  // warps; threads per group
+    __shared__ float s_red[NW], s_l[ATTN_COMBINE_GROUPS];
+    __shared__ float4 s_acc[ATTN_COMBINE_GROUPS][GT];
     const long long row = blockIdx.x;  // t * nh + h
     const long long t = row / nh, h = row % nh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = threadIdx.x >> 4, q = threadIdx.x & 15;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = threadIdx.x / GT, q = threadIdx.x % GT;
     const float* ml = part_ml + 2 * row * nsplit;
     float M = NEG_INF;
     for (int s = threadIdx.x; s < nsplit; s += blockDim.x) M = fmaxf(M, ml[2 * s]);
@@ -272,10 +277,10 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(
     if (lane == 0) s_red[warp] = M;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < 8; ++w) M = fmaxf(M, s_red[w]);
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, s_red[w]);
     float L = 0.0f;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float4* pa = reinterpret_cast<const float4*>(part_acc + row * nsplit * hd + blockIdx.y * 64) + q;
+    const float4* pa = reinterpret_cast<const float4*>(part_acc + row * nsplit * hd + blockIdx.y * ATTN_COMBINE_DIMS) + q;
     for (int s0 = grp; s0 < nsplit; s0 += 4 * ATTN_COMBINE_GROUPS) {  // 4 splits' loads issued together
         float ms[4], ls[4];
         float4 a[4];
@@ -297,14 +302,14 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(
     s_acc[grp][q] = acc;
     if (q == 0) s_l[grp] = L;
     __syncthreads();
-    if (threadIdx.x < 64) {
+    if (threadIdx.x < ATTN_COMBINE_DIMS) {
         float A = 0.0f, Lt = 0.0f;
 #pragma unroll
         for (int j = 0; j < ATTN_COMBINE_GROUPS; ++j) {
             A += reinterpret_cast<const float*>(&s_acc[j][threadIdx.x >> 2])[threadIdx.x & 3];
             Lt += s_l[j];
         }
-        const int d = blockIdx.y * 64 + threadIdx.x;
+        const int d = blockIdx.y * ATTN_COMBINE_DIMS + threadIdx.x;
         out[row * hd + d] = f2bf(A / Lt * sigmoid_f(bf2f(gate[t * sg_t + h * sg_h + d])));
     }
 }

@@ -37,6 +37,9 @@ GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recu
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
+# attn_combine's launch: a block per (row, ATTN_COMBINE_DIMS dims), of ATTN_COMBINE_THREADS threads
+ATTN_COMBINE_DIMS = kernels.define("attention.cu", "ATTN_COMBINE_DIMS")
+ATTN_COMBINE_THREADS = kernels.define("attention.cu", "ATTN_COMBINE_THREADS")
 PF_KEYS = kernels.define("attention_prefill.cu", "PF_KEYS")  # attn_prefill's keys per K/V stage
 GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
 # Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
@@ -593,7 +596,7 @@ class CudaBackend:
             (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), meta.tok_seq, last,
              i32(nkv), i32(bs), i32(chunk), i32(window), f32(hd ** -0.5), out, part_acc, part_ml))
         if nsplit > 1:
-            self._fn("attention.cu", "attn_combine")((n_dec * nh, hd // 64), (256,),
+            self._fn("attention.cu", "attn_combine")((n_dec * nh, hd // ATTN_COMBINE_DIMS), (ATTN_COMBINE_THREADS,),
                                                 (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
                                                  i32(nsplit)))
         return out
