@@ -352,7 +352,7 @@ def test_attention_verify_rows_take_the_decode_kernel(be, ref):
     assert rel(be.to_host(got), want) <= BF16_TOL
 
 
-@pytest.mark.parametrize("B,V", [(1, 248320), (7, 248320), (64, 248320), (5, 1001), (3, 8)])
+@pytest.mark.parametrize("B,V", [(1, 248320), (7, 248320), (64, 248320), (65, 248320), (2, 20001), (5, 1001), (3, 8)])
 def test_argmax_finite(be, ref, B, V):
     """Greedy token + finite flag per row: ties resolve to the lowest id (as numpy.argmax), -0.0 ties
     +0.0, a non-finite entry anywhere flags its row; strided rows (a view) and V % 4 != 0."""

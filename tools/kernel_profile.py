@@ -1,6 +1,7 @@
 """Where a forward's device time goes, kernel by kernel: an eager prefill of one sequence of L tokens, an eager
-mixed step (D decode rows beside one prompt chunk of P tokens, as chunked prefill runs under decode load) and a
-CUDA-graph decode step of B sequences, on the 4b shapes with random weights (bench_decode.random_model).
+mixed step (D decode rows beside one prompt chunk of P tokens, as chunked prefill runs under decode load), a
+CUDA-graph decode step of B sequences and, with --verify-k K, the graph of B speculative verifies of K drafts
+each (what a verify pays over a decode), on the 4b shapes with random weights (bench_decode.random_model).
 
 Per scenario: each kernel's calls and device microseconds per forward (CUPTI activity records through
 torch.profiler, which only this tool needs; the GPU machine has torch), its share of the kernels' total,
@@ -10,7 +11,7 @@ dependent launch (QWEN35_PDL=0, set here): with it each kernel's span would incl
 before. Writes JSON ($OUT/kernel_profile.json when OUT is set).
 
   python3 tools/kernel_profile.py [--prefill 1024,8192] [--mixed 64,256 --mixed-decodes 16]
-      [--decode-batches 1,16,64] [--ctx 1024] [--max-model-len 8464] [--reps 5] [--top 25] [--json PATH]
+      [--decode-batches 1,16,64] [--verify-k 3] [--ctx 1024] [--max-model-len 8464] [--reps 5] [--top 25] [--json PATH]
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mixed", default="", help="prompt chunk lengths of eager mixed steps; '' (default) for none")
     ap.add_argument("--mixed-decodes", type=int, default=16, help="decode rows of each mixed step")
     ap.add_argument("--decode-batches", default="1,16,64", help="decode graph batch sizes; '' for none")
+    ap.add_argument("--verify-k", type=int, default=0, help="also verify graphs of this many drafts per sequence")
     ap.add_argument("--ctx", type=int, default=1024, help="the decode sequences' context")
     ap.add_argument("--max-model-len", type=int, default=8464, help="the decode graphs' context bound")
     ap.add_argument("--reps", type=int, default=5)
@@ -94,9 +96,12 @@ def main(argv=None) -> None:
 
     model = random_model(a.preset)
     nmax = max(batches + ([a.mixed_decodes] if mixed else []), default=0)
-    need = -(-(a.ctx + 1) // BS)
+    K = a.verify_k
+    need = -(-(a.ctx + 1 + K) // BS)
     pre = -(-max(lengths + mixed, default=0) // BS)
-    cache = model.alloc_cache(nmax + 2, 1 + nmax * need + pre, BS)  # slot 0 / page 0: the graphs' dummies
+    # slot 0 / page 0: the graphs' dummies; after the sequences' slots, K rollback rows per verify (padding's first)
+    spec0 = nmax + 2
+    cache = model.alloc_cache(spec0 + (nmax + 1) * K, 1 + nmax * need + pre, BS)
     rng = np.random.default_rng(0)
     out = []
 
@@ -111,9 +116,16 @@ def main(argv=None) -> None:
         first = 1 + nmax * need
         return list(rng.integers(0, 248000, P)), 0, nmax + 1, list(range(first, first + -(-P // BS)))
 
-    def decodes(B):  # B sequences decoding at position ctx in slots 1..B; the KV's values do not matter for speed
-        return [([int(rng.integers(0, 248000))], a.ctx, i + 1, list(range(1 + i * need, 1 + (i + 1) * need)))
+    def decodes(B, n=1):  # B sequences with n new tokens at position ctx in slots 1..B; the KV's values do not matter
+        return [(rng.integers(0, 248000, n).tolist(), a.ctx, i + 1, list(range(1 + i * need, 1 + (i + 1) * need)))
                 for i in range(B)]
+
+    def graph(label, st):
+        graphs.capture(graphs.bucket_for(st.num_seqs), graphs.kind(st))
+        run = lambda: graphs.run(st)  # noqa: E731
+        wall = time_per_call(run, model.ops, 20) * 1e3
+        host = host_per_call(run, model.ops, 20) * 1e3
+        out.append(report(label, profile(run, a.reps * 4), wall, host, a.top))
 
     for L in lengths:
         eager(f"prefill {L} tokens", [prompt(L)])
@@ -122,18 +134,17 @@ def main(argv=None) -> None:
               decodes(a.mixed_decodes) + [prompt(P)])
     if batches:
         graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0,
-                              max_blocks_per_seq=max(need, -(-a.max_model_len // BS)))
+                              max_blocks_per_seq=max(need, -(-a.max_model_len // BS)), verify_k=K,
+                              dummy_spec_row=spec0 if K else None)
         for B in batches:
-            st = Step.build(decodes(B))
-            graphs.capture(graphs.bucket_for(B))
-            run = lambda: graphs.run(st)  # noqa: E731
-            wall = time_per_call(run, model.ops, 20) * 1e3
-            host = host_per_call(run, model.ops, 20) * 1e3
-            out.append(report(f"decode graph batch {B}, ctx {a.ctx}", profile(run, a.reps * 4), wall, host, a.top))
+            graph(f"decode graph batch {B}, ctx {a.ctx}", Step.build(decodes(B)))
+            if K:
+                graph(f"verify graph K = {K} batch {B}, ctx {a.ctx}",
+                      Step.build(decodes(B, 1 + K), [1 + K] * B, spec={i: spec0 + (i + 1) * K for i in range(B)}))
     path = a.json or (os.path.join(os.environ["OUT"], "kernel_profile.json") if os.environ.get("OUT")
                       else "kernel_profile.json")
     Path(path).write_text(json.dumps(dict(preset=a.preset, device=device_name(model.ops), pdl=False,
-                                          ctx=a.ctx, max_model_len=a.max_model_len, scenarios=out), indent=1))
+                                          ctx=a.ctx, verify_k=K, max_model_len=a.max_model_len, scenarios=out), indent=1))
     print(f"\nwrote {path}")
 
 

@@ -51,6 +51,9 @@ NULL = np.uint64(0)  # a null pointer argument
 # all M rows alone (cuda/gemv.cu OUT = 3)
 GEMV_FUSED_NORM_MAX_M = 4
 GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), kernels.define("norm.cu", "RMS_MAX_VEC")
+# argmax_finite: up to this many rows each row's entries are split over blocks of ARGMAX_CHUNK
+ARGMAX_SPLIT_ROWS, ARGMAX_CHUNK = kernels.define("argmax.cu", "ARGMAX_SPLIT_ROWS"), kernels.define("argmax.cu", "ARGMAX_CHUNK")
+ARGMAX_THREADS = kernels.define("argmax.cu", "ARGMAX_THREADS")
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -108,6 +111,7 @@ class CudaBackend:
         # the fused norm's GEMVs' block counter (gemv.cu OUT = 3; its last block re-zeroes it): one for all,
         # as every kernel runs on the one current stream, in order
         self._gemv_count = cupy.zeros(1, cupy.uint32)
+        self._argmax_count = cupy.zeros(ARGMAX_SPLIT_ROWS, cupy.uint32)  # argmax_finite's, per split row; likewise
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
         get_gemm()
@@ -288,7 +292,11 @@ class CudaBackend:
         B, V = x.shape
         out = cupy.empty((B, 2), cupy.int32)
         if B:
-            self._fn("argmax.cu", "argmax_finite_kernel")((B,), (512,), (x, i64(x.strides[0] // 4), i32(V), out))
+            S = -(-V // ARGMAX_CHUNK) if B <= ARGMAX_SPLIT_ROWS else 1
+            part = cupy.empty(3 * B * S, cupy.int32) if S > 1 else NULL
+            self._fn("argmax.cu", "argmax_finite_kernel")((S, B), (ARGMAX_THREADS,),
+                                                          (x, i64(x.strides[0] // 4), i32(V), out, part,
+                                                           self._argmax_count))
         return out
 
     # ---- ops ---------------------------------------------------------------------------
