@@ -65,11 +65,17 @@ __device__ __forceinline__ float sumsq8(const float* a) {
 }
 
 // Called by a whole warp (every lane gets the sum): lane l adds groups l, l + 32, ... in order, then the
-// warp's butterfly. group(j): the sum of 16-column group j, j < G.
-template <class F>
+// warp's butterfly. group(j): the sum of 16-column group j, j < G <= MAXG. Every group's value is fetched
+// before the first add (the zeros past G add nothing: the same bits as a loop up to G).
+template <int MAXG, class F>
 __device__ __forceinline__ float row_sumsq(F group, int G) {
+    const int lane = threadIdx.x & 31;
+    float v[MAXG / 32];
+#pragma unroll
+    for (int i = 0; i < MAXG / 32; ++i) v[i] = lane + 32 * i < G ? group(lane + 32 * i) : 0.0f;
     float q = 0.0f;
-    for (int j = threadIdx.x & 31; j < G; j += 32) q += group(j);
+#pragma unroll
+    for (int i = 0; i < MAXG / 32; ++i) q += v[i];
     return warp_sum(q);
 }
 

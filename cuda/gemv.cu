@@ -277,15 +277,9 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
         __syncthreads();
         if (!s_last) return;
         __shared__ float s_rs[COLS];  // the rows' scales
-        for (int m = warp; m < Mv; m += nw) {  // row_sumsq's order, every load issued before the first add
+        for (int m = warp; m < Mv; m += nw) {
             const float* pm = part + (long long)m * G;
-            float v[GEMV_MAX_GROUPS / 32];
-#pragma unroll
-            for (int i = 0; i < GEMV_MAX_GROUPS / 32; ++i) v[i] = lane + 32 * i < G ? __ldcg(pm + lane + 32 * i) : 0.0f;
-            float q = 0.0f;
-#pragma unroll
-            for (int i = 0; i < GEMV_MAX_GROUPS / 32; ++i) q += v[i];
-            const float ss = warp_sum(q);
+            const float ss = row_sumsq<GEMV_MAX_GROUPS>([&](int j) { return __ldcg(pm + j); }, G);
             if (lane == 0) s_rs[m] = rms_scale(ss, N, eps);
         }
         if (threadIdx.x == 0) *count = 0u;  // for the next producer (stream order; PDL waits for this grid)

@@ -31,7 +31,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_kernel(
     }
     __syncthreads();
     if (threadIdx.x < 32) {
-        const float ss = row_sumsq([&](int j) { return s8[2 * j] + s8[2 * j + 1]; }, H >> 4);
+        const float ss = row_sumsq<RMS_MAX_VEC / 2>([&](int j) { return s8[2 * j] + s8[2 * j + 1]; }, H >> 4);
         if (threadIdx.x == 0) s_scale = rms_scale(ss, H, eps);
     }
     __syncthreads();
