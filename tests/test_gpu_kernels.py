@@ -460,6 +460,21 @@ def test_verify_keeps_the_state_after_each_token(be, ref, nk, nv, dk, dv):
     assert rel(rec[9], rec0[9]) == 0.0                              # a 2-token verify writes one row
 
 
+@pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
+def test_verify_step_writes_conv_states_in_one_launch(be, ref, nk, nv, dk, dv):
+    """A step of decodes and verifies only (no prefill): conv1d_fwd walks each sequence in one thread and writes
+    the new conv state and a verify's per-token states itself (no conv1d_state_update); outputs and every state
+    row as the reference computes them, a verify of 16 tokens (its 15 rows) included."""
+    rng = np.random.default_rng(14)
+    lens = [1, 1, 4, 2, 16]
+    step = make_step(rng, lens, [9, 2, 20, 33, 40], 64, 16, num_slots=5)  # slots 0-4; rows 5-23 rollback rows
+    step.spec_rows = np.array([-1, -1, 5, 8, 9], np.int32)
+    m, rec0, rec = _gdn_state_step(be, ref, rng, step, 25, nk, nv, dk, dv)
+    assert (m.n_dec, m.n_rec, m.B) == (2, 5, 5)
+    assert all(rel(rec[r], rec0[r]) > 0.1 for r in range(24))  # the slots and rows 5-7, 8, 9-23 written ...
+    assert rel(rec[24], rec0[24]) == 0.0                       # ... row 24 is nobody's
+
+
 def test_recurrence_walks_many_tiles_per_block(be, ref):
     """At the 4B shapes, 90 decodes then 46 4-token verifies (a step's order): ~17k state tiles, ~33 per
     block of gdn_recurrent (each block walks tiles with the next one's state prefetched, so decode and

@@ -430,19 +430,23 @@ class CudaBackend:
             if x.strides[1] != 2 or x.strides[0] % 16 or x.data.ptr % 16:
                 x = cupy.ascontiguousarray(x)  # 16-byte loads: a fused width that is not a multiple of 8 (tiny3)
             sx = _rs(x)
-            # tokens per thread: 16 in a prefill (each x row read once), halved until the grid has two blocks
-            # per SM (a small mixed step: 16 decode rows + 64 prompt tokens ran 40 blocks, 21 us a layer on an
-            # H100); 1 when every sequence decodes or verifies (a verify's few tokens in parallel threads).
-            # Any tiling gives the same sums.
-            bx, tt = -(-C // 1024), 1 if meta.max_new <= 1 or meta.n_rec == meta.B else 16
-            while tt > 1 and -(-T // tt) * bx < 2 * self.num_sms:
-                tt //= 2
-            # one new token per sequence (plain decode: no verify rows, no snapshot saves, which need >= 64
-            # tokens): conv1d_fwd writes the new state itself, one launch instead of two
-            update = meta.max_new <= 1
-            self._fn("conv1d.cu", f"conv1d_fwd<{K}>")((bx, -(-T // tt)), (128,),
+            # a step of decodes and verifies only (no prefill, hence no snapshot saves): conv1d_fwd writes the new
+            # state and a verify's per-token states itself, a sequence's tokens (tt: a power of two >= the most)
+            # in one block (one launch instead of two). Otherwise tokens per thread: 16 in a prefill (each x row
+            # read once), halved until the grid has two blocks per SM (a small mixed step: 16 decode rows + 64
+            # prompt tokens ran 40 blocks, 21 us a layer on an H100). Any tiling gives the same sums.
+            update = meta.n_rec == meta.B and meta.max_new <= 128
+            if update:
+                tt = 1 << (meta.max_new - 1).bit_length()
+                grid = (-(-C // (8 * 128 // tt)), meta.B)
+            else:
+                bx, tt = -(-C // 1024), 16
+                while tt > 1 and -(-T // tt) * bx < 2 * self.num_sms:
+                    tt //= 2
+                grid = (bx, -(-T // tt))
+            self._fn("conv1d.cu", f"conv1d_fwd<{K}>")(grid, (128,),
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
-                                                  i32(T), i32(C), i32(tt), i32(update)))
+                                                  meta.spec_rows, i32(T), i32(C), i32(tt), i32(update)))
             if not update:
                 self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
                                                         (x, sx, state, meta.cu_seqlens, meta.slots, meta.save_at,
