@@ -37,7 +37,6 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_finite_kerne
     pdl_enter();
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ int si[ARGMAX_THREADS / 32], sbad[ARGMAX_THREADS / 32];
-    __shared__ bool s_last;
     const int b = blockIdx.y, S = gridDim.x;
     const float* row = x + b * sx;
     const int j0 = S == 1 ? 0 : blockIdx.x * ARGMAX_CHUNK, j1 = S == 1 ? V : min(j0 + ARGMAX_CHUNK, V);
@@ -75,15 +74,11 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_finite_kerne
         argmax_warp(best, bi, bad);
     }
     if (S > 1) {
-        int* p = part + 3 * ((long long)b * S + blockIdx.x);
         if (threadIdx.x == 0) {
+            int* p = part + 3 * ((long long)b * S + blockIdx.x);
             p[0] = __float_as_int(best); p[1] = bi; p[2] = bad;
-            unsigned old;  // release: this block's partial; acquire (in the last block): everyone's
-            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count + b) : "memory");
-            s_last = old == (unsigned)S - 1;
         }
-        __syncthreads();
-        if (!s_last || warp != 0) return;
+        if (!last_block_in(count + b, S) || warp != 0) return;
         best = NEG_INF; bi = 0x7fffffff; bad = 0;
         for (int s = lane; s < S; s += 32) {
             const int* q = part + 3 * ((long long)b * S + s);

@@ -53,6 +53,23 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Whether this block is the last of n to arrive at *count (a zeroed counter the last block re-zeroes when done:
+// a kernel whose last block reduces every block's partials). Called by the whole block once its partials are
+// written: the barrier orders them before thread 0's acq_rel atomic (release is cumulative), whose acquire in
+// the last block makes the other blocks' partials visible (a per-thread __threadfence made gemv's tail ~1 us
+// longer). Read them with __ldcg (L2), not through L1.
+__device__ __forceinline__ bool last_block_in(unsigned* count, unsigned n) {
+    __shared__ bool s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned old;
+        asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+        s_last = old == n - 1;
+    }
+    __syncthreads();
+    return s_last;
+}
+
 // RMSNorm's sum of squares in one fixed order, so that every kernel computing a row's norm gets the same bits
 // (add_rms_norm_kernel, and gemv_bf16's fused norm: its producer GEMV writes the 16-column group sums, its
 // consumer reduces them): a group's sum is sumsq8(first 8) + sumsq8(last 8); the row's sum is row_sumsq

@@ -264,18 +264,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             const float* hp = hs + col * ROWS + 16 * r;
             part[(long long)col * G + grp] = sumsq8(hp) + sumsq8(hp + 8);
         }
-        // The last block to finish reduces every block's group sums. One acq_rel atomic per block: its
-        // release covers the block's writes (ordered before it by the barrier; release is cumulative), its
-        // acquire in the last block the others' (a per-thread __threadfence made the tail ~1 us longer).
-        __shared__ bool s_last;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned old;
-            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
-            s_last = old == gridDim.x - 1;
-        }
-        __syncthreads();
-        if (!s_last) return;
+        if (!last_block_in(count, gridDim.x)) return;  // the last block to finish reduces every block's group sums
         __shared__ float s_rs[COLS];  // the rows' scales
         for (int m = warp; m < Mv; m += nw) {
             const float* pm = part + (long long)m * G;
