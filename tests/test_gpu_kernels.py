@@ -462,9 +462,10 @@ def test_verify_keeps_the_state_after_each_token(be, ref, nk, nv, dk, dv):
 
 @pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
 def test_verify_step_writes_conv_states_in_one_launch(be, ref, nk, nv, dk, dv):
-    """A step of decodes and verifies only (no prefill): conv1d_fwd walks each sequence in one thread and writes
-    the new conv state and a verify's per-token states itself (no conv1d_state_update); outputs and every state
-    row as the reference computes them, a verify of 16 tokens (its 15 rows) included."""
+    """A step of decodes and verifies only (no prefill): conv1d_fwd takes each sequence's tokens in one block (a
+    token a thread) and writes the new conv state and a verify's per-token states itself (no
+    conv1d_state_update); outputs and every state row as the reference computes them, a verify of 16 tokens (its
+    15 rows) included."""
     rng = np.random.default_rng(14)
     lens = [1, 1, 4, 2, 16]
     step = make_step(rng, lens, [9, 2, 20, 33, 40], 64, 16, num_slots=5)  # slots 0-4; rows 5-23 rollback rows

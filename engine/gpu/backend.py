@@ -431,8 +431,8 @@ class CudaBackend:
                 x = cupy.ascontiguousarray(x)  # 16-byte loads: a fused width that is not a multiple of 8 (tiny3)
             sx = _rs(x)
             # a step of decodes and verifies only (no prefill, hence no snapshot saves): conv1d_fwd writes the new
-            # state and a verify's per-token states itself, a sequence's tokens (tt: a power of two >= the most)
-            # in one block (one launch instead of two). Otherwise tokens per thread: 16 in a prefill (each x row
+            # state and a verify's per-token states itself, a sequence's tokens (tt: a power of two >= the most,
+            # at most the block's 128 threads) in one block (one launch instead of two). Otherwise tokens per thread: 16 in a prefill (each x row
             # read once), halved until the grid has two blocks per SM (a small mixed step: 16 decode rows + 64
             # prompt tokens ran 40 blocks, 21 us a layer on an H100). Any tiling gives the same sums.
             update = meta.n_rec == meta.B and meta.max_new <= 128
