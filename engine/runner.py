@@ -1,6 +1,7 @@
 """Model runner: turns the scheduler's (request, num_new_tokens) list into one Step, runs the
 forward, and samples one token for every sequence that reached the end of its known tokens.
-The only place where requests meet arrays.
+Where the scheduled requests become arrays (the drafters build their own steps; verify.py reads a
+verify's logits rows).
 
 Three calls, each enqueuing device work without waiting for it, so the engine can overlap its host
 work with the device (engine.py): forward() launches a step, sample() launches the sampling of its

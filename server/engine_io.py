@@ -1,4 +1,4 @@
-"""The server's only contact with the engine: its limits and tokenizer, submit, abort, liveness
+"""The server's only contact with the running engine: its limits and tokenizer, submit, abort, liveness
 and stats, with engine exceptions mapped to HTTP errors (raised before any response header)."""
 from __future__ import annotations
 
