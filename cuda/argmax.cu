@@ -86,6 +86,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_finite_kerne
             bad |= __ldcg(q + 2);
         }
         argmax_warp(best, bi, bad);
+        if (lane == 0) count[b] = 0u;  // for the next launch (stream order)
     }
     if (threadIdx.x == 0) {
         out[2 * b] = bi == 0x7fffffff ? 0 : bi;

@@ -53,12 +53,11 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Whether this block is the last of n to arrive at *count (a zeroed counter: a kernel whose last block reduces
-// every block's partials). Called by the whole block once its partials are written: the barrier orders them
-// before thread 0's acq_rel atomic (release is cumulative), whose acquire in the last block makes the other
-// blocks' partials visible (a per-thread __threadfence made gemv's tail ~1 us longer). Read them with __ldcg
-// (L2), not through L1. The last block re-zeroes the counter at once (every block has arrived) for the next
-// launch, which runs after this grid in stream order (PDL waits for the whole grid too).
+// Whether this block is the last of n to arrive at *count (a zeroed counter the last block re-zeroes when done:
+// a kernel whose last block reduces every block's partials). Called by the whole block once its partials are
+// written: the barrier orders them before thread 0's acq_rel atomic (release is cumulative), whose acquire in
+// the last block makes the other blocks' partials visible (a per-thread __threadfence made gemv's tail ~1 us
+// longer). Read them with __ldcg (L2), not through L1.
 __device__ __forceinline__ bool last_block_in(unsigned* count, unsigned n) {
     __shared__ bool s_last;
     __syncthreads();
@@ -66,7 +65,6 @@ __device__ __forceinline__ bool last_block_in(unsigned* count, unsigned n) {
         unsigned old;
         asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
         s_last = old == n - 1;
-        if (s_last) *count = 0u;
     }
     __syncthreads();
     return s_last;

@@ -271,6 +271,7 @@ __global__ void __launch_bounds__(32 * GEMV_MAX_WARPS) gemv_bf16(
             const float ss = row_sumsq<GEMV_MAX_GROUPS>([&](int j) { return __ldcg(pm + j); }, G);
             if (lane == 0) s_rs[m] = rms_scale(ss, N, eps);
         }
+        if (threadIdx.x == 0) *count = 0u;  // for the next producer (stream order; PDL waits for this grid)
         __syncthreads();
         // xn = RMSNorm1p(res), 8 columns a thread, GEMV_NORM_BATCH vectors' loads in flight together
         const int nvec = N >> 3, all = Mv * nvec;
