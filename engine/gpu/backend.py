@@ -54,6 +54,7 @@ GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), ker
 # argmax_finite: up to this many rows each row's entries are split over blocks of ARGMAX_CHUNK
 ARGMAX_SPLIT_ROWS, ARGMAX_CHUNK = kernels.define("argmax.cu", "ARGMAX_SPLIT_ROWS"), kernels.define("argmax.cu", "ARGMAX_CHUNK")
 ARGMAX_THREADS = kernels.define("argmax.cu", "ARGMAX_THREADS")
+CONV_THREADS = 128  # conv1d_fwd's block (its __launch_bounds__), 8 channels a thread
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -432,19 +433,20 @@ class CudaBackend:
             sx = _rs(x)
             # a step of decodes and verifies only (no prefill, hence no snapshot saves): conv1d_fwd writes the new
             # state and a verify's per-token states itself, a sequence's tokens (tt: a power of two >= the most,
-            # at most the block's 128 threads) in one block (one launch instead of two). Otherwise tokens per thread: 16 in a prefill (each x row
-            # read once), halved until the grid has two blocks per SM (a small mixed step: 16 decode rows + 64
-            # prompt tokens ran 40 blocks, 21 us a layer on an H100). Any tiling gives the same sums.
-            update = meta.n_rec == meta.B and meta.max_new <= 128
+            # at most the block's threads) in one block (one launch instead of two). Otherwise tokens per thread:
+            # 16 in a prefill (each x row read once), halved until the grid has two blocks per SM (a small mixed
+            # step: 16 decode rows + 64 prompt tokens ran 40 blocks, 21 us a layer on an H100). Any tiling gives
+            # the same sums.
+            update = meta.n_rec == meta.B and meta.max_new <= CONV_THREADS
             if update:
                 tt = 1 << (meta.max_new - 1).bit_length()
-                grid = (-(-C // (8 * 128 // tt)), meta.B)
+                grid = (-(-C // (8 * CONV_THREADS // tt)), meta.B)
             else:
-                bx, tt = -(-C // 1024), 16
+                bx, tt = -(-C // (8 * CONV_THREADS)), 16
                 while tt > 1 and -(-T // tt) * bx < 2 * self.num_sms:
                     tt //= 2
                 grid = (bx, -(-T // tt))
-            self._fn("conv1d.cu", f"conv1d_fwd<{K}>")(grid, (128,),
+            self._fn("conv1d.cu", f"conv1d_fwd<{K}>")(grid, (CONV_THREADS,),
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
                                                   meta.spec_rows, i32(T), i32(C), i32(tt), i32(update)))
             if not update:
