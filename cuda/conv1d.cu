@@ -8,6 +8,7 @@
 
 #define MAXK 8
 #define CONV_BATCH 4  // x rows a prefill thread loads at once (within one sequence)
+#define CONV_THREADS 128  // conv1d_fwd's block, 8 channels a thread (the launcher reads it)
 
 // x: [T, C] with row stride sx (a column view; sx % 8 == 0 and a 16-byte aligned base: the host copies
 // other views); w: bf16 [C, K]; state: bf16 [slots, K-1, C]; out: [T, C] contiguous. tok_seq[t]: sequence
@@ -66,13 +67,13 @@ __device__ __forceinline__ void conv_put(const float (&win)[K][8], bf16_t* state
     for (int j = 0; j < K - 1; ++j) *reinterpret_cast<uint4*>(state + (row * (K - 1) + j) * C + c) = pack8(win[j]);
 }
 
-// update = 0: grid (ceil(C / 1024), ceil(T / TT)), a thread 8 channels of TT consecutive tokens.
-// update = 1 (decodes and verifies only): grid (ceil(C / (8 * 128 / TT)), B), TT a power of two >= every
+// update = 0: grid (ceil(C / (8 * CONV_THREADS)), ceil(T / TT)), a thread 8 channels of TT consecutive tokens.
+// update = 1 (decodes and verifies only): grid (ceil(C / (8 * CONV_THREADS / TT)), B), TT a power of two >= every
 // sequence's token count; thread i takes token i % TT of sequence blockIdx.y (8 channels), so a sequence's
 // tokens share a block: once all of them have read their window the last one writes the slot's new state,
 // the others (a verify's) the state after them into rows spec_rows[b] + i.
 template <int K>
-__global__ void __launch_bounds__(128) conv1d_fwd(
+__global__ void __launch_bounds__(CONV_THREADS) conv1d_fwd(
     const bf16_t* __restrict__ x, long long sx, const bf16_t* __restrict__ w, bf16_t* __restrict__ state,
     bf16_t* __restrict__ out, const int* __restrict__ tok_seq, const int* __restrict__ cu,
     const int* __restrict__ slots, const int* __restrict__ spec_rows, int T, int C, int TT, int update)

@@ -54,7 +54,7 @@ GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), ker
 # argmax_finite: up to this many rows each row's entries are split over blocks of ARGMAX_CHUNK
 ARGMAX_SPLIT_ROWS, ARGMAX_CHUNK = kernels.define("argmax.cu", "ARGMAX_SPLIT_ROWS"), kernels.define("argmax.cu", "ARGMAX_CHUNK")
 ARGMAX_THREADS = kernels.define("argmax.cu", "ARGMAX_THREADS")
-CONV_THREADS = 128  # conv1d_fwd's block (its __launch_bounds__), 8 channels a thread
+CONV_THREADS = kernels.define("conv1d.cu", "CONV_THREADS")  # conv1d_fwd's block, 8 channels a thread
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
