@@ -19,6 +19,7 @@ and the GDN layers run them token by token, as decodes.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,31 +87,36 @@ class Step:
         of its last rows need logits (default 1; a bool counts as 0 or 1). saves: sequence index ->
         (new tokens after which its state is saved, the snapshot row). spec: verifying sequence index ->
         its first per-token state row."""
+        # one NumPy call per field: the host builds this for every step, on the device's critical path
+        # when the step waits for the one before it (speculative decoding)
+        B = len(chunks)
         lens = [len(c[0]) for c in chunks]
-        cu = np.zeros(len(chunks) + 1, np.int32)
-        cu[1:] = np.cumsum(lens)
+        ends = list(itertools.accumulate(lens))
+        starts = [c[1] for c in chunks]
         width = max([len(c[3]) for c in chunks] + [1])
-        tables = np.full((len(chunks), width), DUMMY_BLOCK, np.int32)  # unused entries: the dummy page
+        tables = np.full((B, width), DUMMY_BLOCK, np.int32)  # unused entries: the dummy page
         for i, c in enumerate(chunks):
             tables[i, :len(c[3])] = c[3]
-        sample = sample if sample is not None else [True] * len(chunks)
         save_at = save_rows = None
         if saves:
-            save_at, save_rows = np.zeros(len(chunks), np.int32), np.zeros(len(chunks), np.int32)
-            for i, (n, row) in saves.items():
-                assert GDN_CHUNK <= n < len(chunks[i][0]) and n % GDN_CHUNK == 0, (i, n)
-                save_at[i], save_rows[i] = n, row
-        spec_rows = None
-        if spec:
-            spec_rows = np.full(len(chunks), -1, np.int32)
-            for i, row in spec.items():
-                spec_rows[i] = row
+            for i, (n, _) in saves.items():
+                assert GDN_CHUNK <= n < lens[i] and n % GDN_CHUNK == 0, (i, n)
+            save_at = np.array([saves[i][0] if i in saves else 0 for i in range(B)], np.int32)
+            save_rows = np.array([saves[i][1] if i in saves else 0 for i in range(B)], np.int32)
+        spec_rows = np.array([spec.get(i, -1) for i in range(B)], np.int32) if spec else None
+        if B == 1:
+            positions = np.arange(starts[0], ends[0] + starts[0], dtype=np.int32)
+        else:  # each token's index in the step, shifted by its sequence's base - first row
+            positions = np.arange(ends[-1] if B else 0, dtype=np.int32)
+            positions += np.repeat(np.array(starts, np.int32) - np.array([0] + ends[:-1], np.int32), lens)
+        if sample is None:
+            logits_rows = np.array([e - 1 for e in ends], np.int32)
+        else:
+            logits_rows = np.array([r for e, s in zip(ends, sample) for r in range(e - s, e)], np.int32)
         return cls(
-            tokens=np.array([t for c in chunks for t in c[0]], np.int32),
-            positions=np.concatenate([np.arange(c[1], c[1] + len(c[0])) for c in chunks]).astype(np.int32),
-            cu_seqlens=cu, slots=np.array([c[2] for c in chunks], np.int32), block_tables=tables,
-            seq_lens=np.array([c[1] + len(c[0]) for c in chunks], np.int32),
-            logits_rows=np.array([r for i in range(len(chunks)) for r in range(cu[i + 1] - sample[i], cu[i + 1])],
-                                 np.int32),
+            tokens=np.array([t for c in chunks for t in c[0]], np.int32), positions=positions,
+            cu_seqlens=np.array([0] + ends, np.int32), slots=np.array([c[2] for c in chunks], np.int32),
+            block_tables=tables, seq_lens=np.array([s + n for s, n in zip(starts, lens)], np.int32),
+            logits_rows=logits_rows,
             feed=feed, save_at=save_at, save_rows=save_rows, spec_rows=spec_rows,
         )
