@@ -109,10 +109,10 @@ def finish(v: VerifyInFlight) -> list[tuple[Request, list | Exception, int]]:
             a = next((i for i in range(k) if not v.u[j][i] < p[q + i]), k)
             tokens = d[:a] + [int(drawn[q + a])]
         else:          # greedy: accept while d_{i+1} == t_i; then t_a
-            t = top[r0:r0 + k + 1, 0] if j not in v.proc else best[v.proc[j]:v.proc[j] + k + 1]
+            t = (top[r0:r0 + k + 1, 0] if j not in v.proc else best[v.proc[j]:v.proc[j] + k + 1]).tolist()
             a = next((i for i in range(k) if d[i] != t[i]), k)
-            tokens = d[:a] + [int(t[a])]
-        if not top[r0:r0 + a + 1, 1].all():
+            tokens = d[:a] + [t[a]]
+        if not all(top[r0:r0 + a + 1, 1].tolist()):
             out.append((req, FloatingPointError(f"non-finite logits for request {req.request_id}"), k))
             continue
         if req.params.logprobs is not None:
