@@ -88,6 +88,7 @@ class _Captured:
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
     template: np.ndarray   # buf's contents for an all-padding step (Step.packed): what run() writes rows over
+    views: dict = dataclasses.field(default_factory=dict)  # T -> logits[:T], run()'s results
 
 
 class DecodeGraphs:
@@ -138,9 +139,9 @@ class DecodeGraphs:
         if T == B:
             return 0
         k = self.verify_k
-        if not k or T != B * (1 + k) or step.spec_rows is None or (step.spec_rows < 0).any():
+        if not k or T != B * (1 + k) or step.spec_rows is None or step.spec_rows.min() < 0:
             return None
-        return k if np.array_equal(step.cu_seqlens, np.arange(B + 1) * (1 + k)) else None
+        return k if step.cu_seqlens.tolist() == list(range(0, T + 1, 1 + k)) else None
 
     def pad(self, step: Step, bucket: int | None = None) -> Step:
         """The step (a decode or a uniform verify) padded to its bucket (or `bucket`), block tables
@@ -186,15 +187,16 @@ class DecodeGraphs:
         if k is None:
             raise ValueError("DecodeGraphs runs pure decode steps (one new token per sequence, every one sampled)"
                              f" and uniform verifies of {self.verify_k} drafts only")
-        n = 1 + k
-        if not np.array_equal(step.seq_lens, step.positions[n - 1::n] + 1):
+        # small arrays: Python lists cost less than NumPy calls here (a synchronous step waits for the host)
+        n, pos, lens = 1 + k, step.positions.tolist(), step.seq_lens.tolist()
+        if lens != [p + 1 for p in pos[n - 1::n]]:
             raise ValueError("decode step: seq_lens must be positions + 1")
-        if int(step.seq_lens.max()) > self.max_ctx:
-            raise ValueError(f"context {int(step.seq_lens.max())} > max_ctx {self.max_ctx} of the graphs")
-        if (step.slots == self.dummy_slot).any():
+        if max(lens) > self.max_ctx:
+            raise ValueError(f"context {max(lens)} > max_ctx {self.max_ctx} of the graphs")
+        if self.dummy_slot in step.slots.tolist():
             raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
-        blocks = step.token_blocks(self.block_size)
-        if (blocks == self.dummy_block).any():
+        blocks = step.block_tables[[i // n for i in range(len(pos))], [p // self.block_size for p in pos]]
+        if self.dummy_block in blocks.tolist():
             raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
         return k, blocks
 
@@ -260,15 +262,18 @@ class DecodeGraphs:
         stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
         self._stage(g, step, blocks)
-        cupy.cuda.runtime.memcpyAsync(g.buf.data.ptr, g.staging.ctypes.data, g.staging.nbytes,
+        cupy.cuda.runtime.memcpyAsync(g.buf.data.ptr, g.pinned.ptr, g.staging.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self.ops.feed(g.buf[:len(g.logits)], step.feed)
+        if step.feed is not None:
+            self.ops.feed(g.buf[:len(g.logits)], step.feed)
         g.copied.record(stream)
         g.graph.launch(stream)
         T = len(step.tokens)
         if with_capture:
             return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
-        return g.logits[:T]
+        if T not in g.views:  # (a CuPy view costs microseconds; a step's time on the host is the device's idle)
+            g.views[T] = g.logits[:T]
+        return g.views[T]
 
     def _stage(self, g: _Captured, step: Step, blocks: np.ndarray) -> None:
         """g.staging := Step.packed of the step padded to g's bucket (what _padded then packed would give),
