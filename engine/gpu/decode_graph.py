@@ -271,7 +271,7 @@ class DecodeGraphs:
         T = len(step.tokens)
         if with_capture:
             return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
-        if T not in g.views:  # (a CuPy view costs microseconds; a step's time on the host is the device's idle)
+        if T not in g.views:  # a CuPy view costs microseconds, which a synchronous step's device waits for
             g.views[T] = g.logits[:T]
         return g.views[T]
 
