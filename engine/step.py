@@ -104,11 +104,9 @@ class Step:
             save_at = np.array([saves[i][0] if i in saves else 0 for i in range(B)], np.int32)
             save_rows = np.array([saves[i][1] if i in saves else 0 for i in range(B)], np.int32)
         spec_rows = np.array([spec.get(i, -1) for i in range(B)], np.int32) if spec else None
-        if B == 1:
-            positions = np.arange(starts[0], ends[0] + starts[0], dtype=np.int32)
-        else:  # each token's index in the step, shifted by its sequence's base - first row
-            positions = np.arange(ends[-1] if B else 0, dtype=np.int32)
-            positions += np.repeat(np.array(starts, np.int32) - np.array([0] + ends[:-1], np.int32), lens)
+        # each token's index in the step, shifted by its sequence's base - first row
+        positions = np.arange(ends[-1] if B else 0, dtype=np.int32)
+        positions += np.repeat(np.array(starts, np.int32) - np.array([0] + ends[:-1], np.int32), lens)
         if sample is None:
             logits_rows = np.array([e - 1 for e in ends], np.int32)
         else:

@@ -88,7 +88,6 @@ class _Captured:
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
     template: np.ndarray   # buf's contents for an all-padding step (Step.packed): what run() writes rows over
-    views: dict = dataclasses.field(default_factory=dict)  # T -> logits[:T], run()'s results
 
 
 class DecodeGraphs:
@@ -195,7 +194,7 @@ class DecodeGraphs:
             raise ValueError(f"context {max(lens)} > max_ctx {self.max_ctx} of the graphs")
         if self.dummy_slot in step.slots.tolist():
             raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
-        blocks = step.block_tables[[i // n for i in range(len(pos))], [p // self.block_size for p in pos]]
+        blocks = step.token_blocks(self.block_size, np.arange(B, dtype=np.int32).repeat(n))  # (uniform: n a sequence)
         if self.dummy_block in blocks.tolist():
             raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
         return k, blocks
@@ -271,9 +270,7 @@ class DecodeGraphs:
         T = len(step.tokens)
         if with_capture:
             return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
-        if T not in g.views:  # a CuPy view costs microseconds, which a synchronous step's device waits for
-            g.views[T] = g.logits[:T]
-        return g.views[T]
+        return g.logits if T == len(g.logits) else g.logits[:T]  # (a full bucket: no view to make on the host)
 
     def _stage(self, g: _Captured, step: Step, blocks: np.ndarray) -> None:
         """g.staging := Step.packed of the step padded to g's bucket (what _padded then packed would give),
