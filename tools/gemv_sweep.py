@@ -6,6 +6,14 @@ copies of >= 400 MB so W comes from HBM. A warp count other than the plan's chan
 hence the bits (gemv_nw): only the variants are free choices.
 
     python3 tools/gemv_sweep.py --rows 1,4,16 --json gemv_sweep.json
+
+--norm times instead a sublayer's output projection (the N = 2560 shapes) with the GEMV after it (down ->
+in_proj, o_proj -> gate_up's SwiGLU) in three forms through the backend's ops (16 pairs a graph, no PDL,
+as above), the weights and the norm's weight cycled (cold, as in a step): plain (the two GEMVs, no norm),
+fused (linear_add_rms_norm, then the consumer takes its h) and unfused (GEMV, add_rms_norm, GEMV)
+(docs/benchmarks/session24-h100.md).
+
+    python3 tools/gemv_sweep.py --norm --rows 1,2,4 --json gemv_norm.json
 """
 from __future__ import annotations
 
@@ -33,12 +41,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,16", help="M values (<= 16)")
     ap.add_argument("--json", default="gemv_sweep.json")
+    ap.add_argument("--norm", action="store_true", help="the fused-norm forms (see above) instead of the sweep")
     a = ap.parse_args(argv)
     be = CudaBackend()
+    if a.norm:
+        return norm_forms(be, [int(m) for m in a.rows.split(",")], a.json)
     be.kernels.prefetch([("gemv.cu", gemv_name(*v, o)) for v in VARIANTS for o in (0, 2)])
     rows = []
     for shape, N, K, out in SHAPES:
         ws = [bits(N, K, scale=K ** -0.5) for _ in range(max(1, -(-400_000_000 // (N * K * 2))))]
+        cupy.cuda.Device().synchronize()  # (drawn on the default stream: not under the first timing)
         for M in (int(m) for m in a.rows.split(",")):
             x, y = bits(M, K), cupy.empty((M, N // 2 if out == 2 else N), cupy.uint16)
             plan = gemv_plan(M, N, K, out)
@@ -64,6 +76,34 @@ def main(argv=None) -> None:
     Path(a.json).write_text(json.dumps(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                                             rows=rows), indent=1))
     print(f"wrote {a.json}")
+
+
+def norm_forms(be, rows: list[int], out: str) -> None:
+    res = []
+    for (shape, N, K, _), (cname, CN, CK, cout) in ((SHAPES[0], SHAPES[2]), (SHAPES[1], SHAPES[3])):
+        n = max(1, -(-400_000_000 // (CN * CK * 2)))
+        ws = [bits(N, K, scale=K ** -0.5) for _ in range(n)]
+        wc = [bits(CN, CK, scale=CK ** -0.5) for _ in range(n)]
+        nwts = [cupy.random.standard_normal(N, dtype=cupy.float32) * 0.1 for _ in range(n)]
+        consume = be.swiglu if cout == 2 else be.linear
+        cupy.cuda.Device().synchronize()
+        for M in rows:
+            x, r, xn = bits(M, K), bits(M, N), bits(M, N)
+            def plain(i):
+                be.linear(x, ws[i % n])
+                return consume(xn, wc[i % n])
+            forms = dict(plain=plain,
+                         fused=lambda i: consume(be.linear_add_rms_norm(x, ws[i % n], r, nwts[i % n], 1e-6)[0],
+                                                 wc[i % n]),
+                         unfused=lambda i: consume(be.add_rms_norm(be.linear(x, ws[i % n]), r, nwts[i % n], 1e-6)[0],
+                                                   wc[i % n]))
+            us = {k: graph_ms(f) * 1e3 for k, f in forms.items()}
+            print(f"{shape:6s} -> {cname:7s} M={M}  " + "  ".join(f"{k} {v:6.2f}" for k, v in us.items()), flush=True)
+            res.append(dict(shape=shape, consumer=cname, M=M, us=us))
+        del ws, wc
+    Path(out).write_text(json.dumps(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                         rows=res), indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
