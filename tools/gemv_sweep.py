@@ -30,6 +30,7 @@ from bench_kernels import bits, graph_ms  # noqa: E402
 from engine.gpu.backend import NULL, CudaBackend, f32, i32, i64  # noqa: E402
 from engine.gpu.gemv_plan import gemv_launch, gemv_plan  # noqa: E402
 from engine.gpu.kernels import gemv_name  # noqa: E402
+from tools.run_meta import device_name, run_meta  # noqa: E402
 
 SHAPES = (("down", 2560, 9216, 0), ("o_proj", 2560, 4096, 0), ("in_proj", 12352, 2560, 0),
           ("gate_up", 18432, 2560, 2), ("qkv", 10240, 2560, 0))
@@ -73,9 +74,12 @@ def main(argv=None) -> None:
                   f"({cur['gbs']:4.0f} GB/s)  best {best['kernel']} x{best['warps']}: {best['us']:7.2f} us", flush=True)
             rows.append(dict(shape=shape, N=N, K=K, M=M, configs=res))
         del ws
-    Path(a.json).write_text(json.dumps(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                                            rows=rows), indent=1))
-    print(f"wrote {a.json}")
+    write(a.json, be, rows)
+
+
+def write(path: str, be, rows: list) -> None:
+    Path(path).write_text(json.dumps({**run_meta(), "device": device_name(be), "rows": rows}, indent=1))
+    print(f"wrote {path}")
 
 
 def norm_forms(be, rows: list[int], out: str) -> None:
@@ -101,9 +105,7 @@ def norm_forms(be, rows: list[int], out: str) -> None:
             print(f"{shape:6s} -> {cname:7s} M={M}  " + "  ".join(f"{k} {v:6.2f}" for k, v in us.items()), flush=True)
             res.append(dict(shape=shape, consumer=cname, M=M, us=us))
         del ws, wc
-    Path(out).write_text(json.dumps(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                                         rows=res), indent=1))
-    print(f"wrote {out}")
+    write(out, be, res)
 
 
 if __name__ == "__main__":
