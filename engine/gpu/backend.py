@@ -203,7 +203,7 @@ class CudaBackend:
     def copy_slots(self, cache: Cache, src, dst) -> None:
         """One copy_rows launch over every layer's conv and recurrent array and every (src, dst) pair (for
         the 4B a row is 24 x (2 MiB + 48 KiB)), on the current stream; several pairs go up in one small
-        copy, a single pair (a speculative rollback, on the host's critical path) rides in the arguments."""
+        copy, a single pair (the usual restore or save) rides in the arguments."""
         if not len(src):
             return
         bases, row_bytes, longest = cache.rows
