@@ -174,7 +174,7 @@ extern "C" __global__ void conv1d_state_update(const bf16_t* __restrict__ x, lon
         bf16_t v = m < K - 1 ? bf16_t{} : x[(long long)(start + m - (K - 1)) * sx + c];
 #pragma unroll
         for (int j = 0; j < MAXK - 1; ++j)
-            if (j == m) v = old[j];
+            if (j < K - 1 && j == m) v = old[j];
         return v;
     };
     const int r = save_at[b];  // prefix caching: also the state after r new tokens (r >= 64 > K - 1), to a snapshot row

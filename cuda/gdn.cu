@@ -116,10 +116,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
             __syncthreads();
             const float delta = e[DK + lane], decay = e[DK + 32];
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                S[r] *= decay;
-                S[r] += s_k[warp * R + r] * delta;
-            }
+            for (int r = 0; r < R; ++r) S[r] = __fmaf_rn(s_k[warp * R + r], delta, __fmul_rn(S[r], decay));
             __syncthreads();  // s_k is rewritten next
         }
         if (logs && cur.replay) {  // the log is about to be overwritten: the slot takes the replayed state
@@ -150,7 +147,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
             float p = 0.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                S[r] *= decay;
+                S[r] = __fmul_rn(S[r], decay);  // (explicit roundings: the replay above repeats them exactly)
                 p += S[r] * s_k[warp * R + r];
             }
             s_p[warp][lane] = p;
@@ -162,7 +159,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
             float o = 0.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                S[r] += s_k[warp * R + r] * delta;
+                S[r] = __fmaf_rn(s_k[warp * R + r], delta, S[r]);
                 o += S[r] * s_q[warp * R + r];
             }
             s_o[warp][lane] = o;
