@@ -44,15 +44,14 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default="gemv_sweep.json")
     ap.add_argument("--norm", action="store_true", help="the fused-norm forms (see above) instead of the sweep")
     a = ap.parse_args(argv)
-    be = CudaBackend()
+    be, ms = CudaBackend(), [int(m) for m in a.rows.split(",")]
     if a.norm:
-        return norm_forms(be, [int(m) for m in a.rows.split(",")], a.json)
+        return norm_forms(be, ms, a.json)
     be.kernels.prefetch([("gemv.cu", gemv_name(*v, o)) for v in VARIANTS for o in (0, 2)])
     rows = []
     for shape, N, K, out in SHAPES:
-        ws = [bits(N, K, scale=K ** -0.5) for _ in range(max(1, -(-400_000_000 // (N * K * 2))))]
-        cupy.cuda.Device().synchronize()  # (drawn on the default stream: not under the first timing)
-        for M in (int(m) for m in a.rows.split(",")):
+        ws = cold_weights(N, K, copies(N, K))
+        for M in ms:
             x, y = bits(M, K), cupy.empty((M, N // 2 if out == 2 else N), cupy.uint16)
             plan = gemv_plan(M, N, K, out)
             res = []
@@ -77,21 +76,30 @@ def main(argv=None) -> None:
     write(a.json, be, rows)
 
 
+def copies(N: int, K: int) -> int:
+    """How many [N, K] weights cycle over >= 400 MB (each call then reads its W from HBM)."""
+    return max(1, -(-400_000_000 // (N * K * 2)))
+
+
+def cold_weights(N: int, K: int, n: int) -> list:
+    ws = [bits(N, K, scale=K ** -0.5) for _ in range(n)]
+    cupy.cuda.Device().synchronize()  # (drawn on the default stream: not under the first timing)
+    return ws
+
+
 def write(path: str, be, rows: list) -> None:
     Path(path).write_text(json.dumps({**run_meta(), "device": device_name(be), "rows": rows}, indent=1))
     print(f"wrote {path}")
 
 
-def norm_forms(be, rows: list[int], out: str) -> None:
+def norm_forms(be, ms: list[int], out: str) -> None:
     res = []
     for (shape, N, K, _), (cname, CN, CK, cout) in ((SHAPES[0], SHAPES[2]), (SHAPES[1], SHAPES[3])):
-        n = max(1, -(-400_000_000 // (CN * CK * 2)))
-        ws = [bits(N, K, scale=K ** -0.5) for _ in range(n)]
-        wc = [bits(CN, CK, scale=CK ** -0.5) for _ in range(n)]
+        n = copies(CN, CK)  # both weights cycle n copies, counted by the consumer's shape (as session 24 ran it)
         nwts = [cupy.random.standard_normal(N, dtype=cupy.float32) * 0.1 for _ in range(n)]
+        ws, wc = cold_weights(N, K, n), cold_weights(CN, CK, n)
         consume = be.swiglu if cout == 2 else be.linear
-        cupy.cuda.Device().synchronize()
-        for M in rows:
+        for M in ms:
             x, r, xn = bits(M, K), bits(M, N), bits(M, N)
             def plain(i):
                 be.linear(x, ws[i % n])
