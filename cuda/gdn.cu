@@ -5,9 +5,14 @@
 // Tiles: a [DK, 32] column block of one head's state [DK, dv] for one sequence, (dv/32) x nv x B of them
 // (column block fastest). 128 threads per tile: lane = state column, warp w = rows [w*DK/4, (w+1)*DK/4),
 // DK/4 f32 registers per thread. Sequences of several tokens run here too when they are speculative
-// verifies (spec_rows[seq] >= 0): the state after each of their tokens but the last also goes to rows
-// spec_rows[seq] + 0, 1, ..., so a verify that accepts a of its drafts is rolled back by copying row
-// spec_rows[seq] + a into the slot.
+// verifies (spec_logs[seq] >= 0 and more than one token). Rollback by replay: a verify leaves the slot's
+// state as it was and logs, per token and tile, what its update added (the normalized k, the delta of the
+// tile's columns, the decay) in its log set; the sequence's next step (replay[seq] = the a + 1 tokens the
+// verify committed) first applies that many logged updates to the loaded state, with the same arithmetic,
+// so the result is the state a plain decode of those tokens leaves, bit for bit. A verify that replays
+// writes the replayed state to the slot before its own tokens overwrite the log; a decode writes its final
+// state. So a verify moves as much state as a decode (one read, at most one write) where per-token state
+// rows moved K + 1 times that (docs/benchmarks/NOTES.md, lead 10).
 // Grid: min(tiles, GDN_REC_BLOCKS x SMs) blocks, each walking tiles blockIdx.x, + gridDim.x, ...: while it
 // computes one tile the next one's state streams into shared memory (cp.async, two buffers) and its first
 // token's inputs into registers (the slot and token range two tiles ahead), so an SM's state loads do not
@@ -16,6 +21,8 @@
 
 #define GDN_WARPS 4
 #define GDN_REC_BLOCKS 4  // resident blocks per SM (launch bounds; 2 state buffers of 16 KB each at DK 128)
+#define GDN_LOG_PAD 36  // a log entry of one tile: normalized k [DK], then delta [32], decay, 3 unused
+#define GDN_LOG_W(DK) ((DK) + GDN_LOG_PAD)
 
 template <int DK>
 __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
@@ -25,7 +32,10 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
     const float* __restrict__ A_log, const float* __restrict__ dt_bias,  // [nv] f32
     float* state,                                   // [slots, nv, DK, dv] f32
     const int* __restrict__ cu, const int* __restrict__ slots,
-    const int* __restrict__ spec_rows,              // [B]: first per-token state row, or -1
+    const int* __restrict__ spec_logs,              // [B]: the sequence's log set, or -1
+    const int* __restrict__ replay,                 // [B]: logged tokens to apply first (with spec_logs[b] >= 0)
+    float* log,                                     // [sets, K1, nv, dv/32, GDN_LOG_W(DK)] f32
+    int K1,                                         // log entries a set (drafts per verify + 1)
     bf16_t* __restrict__ out,                       // [T, nv*dv]
     int nk, int nv, int dv, int B)
 {
@@ -63,15 +73,16 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
         }
         cp_async_commit();
     };
-    struct Meta { int slot, t0, t1; };
+    struct Meta { int slot, t0, t1, set, replay; };
     auto meta = [&](int tile) {
-        const int seq = tile / (xt * nv);
-        return Meta{slots[seq], cu[seq], cu[seq + 1]};
+        const int seq = tile / (xt * nv), set = spec_logs[seq];
+        return Meta{slots[seq], cu[seq], cu[seq + 1], set, set >= 0 ? replay[seq] : 0};
     };
+    const long long log_entry = (long long)nv * xt * GDN_LOG_W(DK);  // one token of a set, every tile
 
     const int step = gridDim.x;
     int tile = blockIdx.x;
-    Meta cur = meta(tile), nxt{0, 0, 0};
+    Meta cur = meta(tile), nxt{0, 0, 0, -1, 0};
     In in{}, in_next{};
     fetch_state(tile, cur.slot, s_tile);
     if (cur.t0 < cur.t1) load(tile, cur.t0, in);
@@ -79,7 +90,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
     for (int i = 0; tile < tiles; ++i, tile += step) {
         const bool more = tile + step < tiles;
         float* buf = s_tile + (i & 1) * DK * 32;
-        Meta after{0, 0, 0};
+        Meta after{0, 0, 0, -1, 0};
         if (more) {  // the next tile's state and first inputs; the slot and tokens of the one after
             fetch_state(tile + step, nxt.slot, s_tile + ((i + 1) & 1) * DK * 32);
             if (nxt.t0 < nxt.t1) load(tile + step, nxt.t0, in_next);
@@ -90,13 +101,28 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
         }
         __syncthreads();                            // this tile's state landed for every thread
 
-        const int h = (tile / xt) % nv, seq = tile / (xt * nv), col = (tile % xt) * 32 + lane;
+        const int h = (tile / xt) % nv, col = (tile % xt) * 32 + lane;
         float* S_base = state + (long long)cur.slot * row_size + (long long)h * DK * dv + col;
-        // the next per-token state row (a verify), or null
-        float* S_next = spec_rows[seq] >= 0 ? S_base + (spec_rows[seq] - cur.slot) * row_size : nullptr;
+        // this tile's entries of the sequence's log set (entry j: + j * log_entry), or null
+        float* L = cur.set >= 0 ? log + (long long)cur.set * K1 * log_entry + (long long)(tile % (xt * nv)) * GDN_LOG_W(DK)
+                                : nullptr;
+        const bool logs = L && cur.t1 - cur.t0 > 1;  // a verify: its tokens go to the log, the slot keeps its state
         float S[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) S[r] = buf[(warp * R + r) * 32 + lane];
+        for (int j = 0; j < cur.replay; ++j) {  // the last verify's committed tokens, as the loop below did them
+            const float* e = L + j * log_entry;
+            if (tid < DK) s_k[tid] = e[tid];
+            __syncthreads();
+            const float delta = e[DK + lane], decay = e[DK + 32];
+#pragma unroll
+            for (int r = 0; r < R; ++r) S[r] = __fmaf_rn(s_k[warp * R + r], delta, __fmul_rn(S[r], decay));
+            __syncthreads();  // s_k is rewritten next
+        }
+        if (logs && cur.replay) {  // the log is about to be overwritten: the slot takes the replayed state
+#pragma unroll
+            for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
+        }
         const float A = expf(A_log[h]);
         const float dtb = dt_bias[h];
 
@@ -121,7 +147,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
             float p = 0.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                S[r] *= decay;
+                S[r] = __fmul_rn(S[r], decay);  // (explicit roundings: the replay above repeats them exactly)
                 p += S[r] * s_k[warp * R + r];
             }
             s_p[warp][lane] = p;
@@ -133,7 +159,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
             float o = 0.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                S[r] += s_k[warp * R + r] * delta;
+                S[r] = __fmaf_rn(s_k[warp * R + r], delta, S[r]);
                 o += S[r] * s_q[warp * R + r];
             }
             s_o[warp][lane] = o;
@@ -144,15 +170,18 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
                 for (int w = 0; w < GDN_WARPS; ++w) acc += s_o[w][lane];
                 out[(long long)t * nv * dv + h * dv + col] = f2bf(acc);
             }
-            if (S_next && t + 1 < cur.t1) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) S_next[(long long)(warp * R + r) * dv] = S[r];
-                S_next += row_size;
+            if (logs) {
+                float* e = L + (t - cur.t0) * log_entry;
+                if (tid < DK) e[tid] = s_k[tid];
+                if (warp == 0) e[DK + lane] = delta;
+                if (tid == 0) e[DK + 32] = decay;
             }
         }
+        if (!logs) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
-        if (cur.t0 == cur.t1) __syncthreads();     // (no token's barriers) buf is refilled next iteration
+            for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
+        }
+        if (cur.t0 == cur.t1 && !cur.replay) __syncthreads();  // (no token's barriers) buf is refilled next iteration
         cur = nxt;
         nxt = after;
         in = in_next;
@@ -163,14 +192,14 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
 // by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
 #ifndef __CUDACC_RTC__
 template __global__ void gdn_recurrent<32>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
-                                           const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
-                                           int, int, int, int);
+                                           const float*, const float*, float*, const int*, const int*, const int*, const int*,
+                                           float*, int, bf16_t*, int, int, int, int);
 template __global__ void gdn_recurrent<64>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
-                                           const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
-                                           int, int, int, int);
+                                           const float*, const float*, float*, const int*, const int*, const int*, const int*,
+                                           float*, int, bf16_t*, int, int, int, int);
 template __global__ void gdn_recurrent<128>(const bf16_t*, long long, const bf16_t*, long long, const bf16_t*, long long,
-                                            const float*, const float*, float*, const int*, const int*, const int*, bf16_t*,
-                                            int, int, int, int);
+                                            const float*, const float*, float*, const int*, const int*, const int*, const int*,
+                                            float*, int, bf16_t*, int, int, int, int);
 #endif
 
 // ---- Chunked (WY/UT) form for prefill (spec §4.7), two kernels ----------------------------------

@@ -1,8 +1,8 @@
 // Row copies between the GDN state arrays' rows (prefix caching: a snapshot restored into a slot, a
-// slot saved into a snapshot; speculative decoding: a rollback row into a slot): one launch for every
+// slot saved into a snapshot): one launch for every
 // layer's conv and recurrent array and every pair, instead of a memcpy per row and array. Array a has base
 // bases[a] and rows of row_bytes[a] bytes (a multiple of 16: each row is contiguous); pairs = [src0, dst0,
-// src1, dst1, ...] row ids, or null for the one pair (src0, dst0) given by value (a rollback: no upload).
+// src1, dst1, ...] row ids, or null for the one pair (src0, dst0) given by value (no upload).
 // grid = (blocks over the longest row, arrays, pairs).
 #include "common.cuh"
 

@@ -68,6 +68,12 @@ def rope(x, pos, rd, theta):
     return np.concatenate([xr * cos + rot * sin, x[..., rd:]], -1)
 
 
+def _spec(step: Step, b: int) -> tuple[int, int]:
+    """Sequence b's log set (-1: none) and how many of its logged tokens it replays first (step.py)."""
+    st = int(step.spec_logs[b]) if step.spec_logs is not None else -1
+    return st, int(step.replay[b]) if st >= 0 and step.replay is not None else 0
+
+
 def delta_rule_recurrent(q, k, v, g, beta, S):
     """Token recurrence (spec §4.6). q, k [T, h, dk]; v [T, h, dv]; g, beta [T, h]; S [h, dk, dv]."""
     o = np.empty(v.shape, np.float32)
@@ -148,15 +154,22 @@ class NumpyBackend:
         # a contiguous f32 checkpoint array comes back as a view of the memory-mapped file: not ours
         return out if np.may_share_memory(out, arr) else self._hold(out)
 
-    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
+    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int, spec_logs: int = 0,
+                    spec_tokens: int = 0) -> Cache:
+        """rec_log entries are a token's recurrence inputs per value head, [k (L2-normed) | v | g | beta]: a
+        replay runs delta_rule_recurrent on them again (the same bits as the plain decode)."""
         nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
         z = lambda *s: self._hold(np.zeros(s, np.float32))  # noqa: E731
+        n = 1 + spec_tokens
+        logs = nlin if spec_logs else 0
         return Cache(
             conv=[z(num_slots, cfg.conv_kernel - 1, cfg.conv_dim) for _ in range(nlin)],
             rec=[z(num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim) for _ in range(nlin)],
             k=[z(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim) for _ in range(nfull)],
             v=[z(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim) for _ in range(nfull)],
-            block_size=block_size)
+            block_size=block_size,
+            conv_log=[z(spec_logs, n, cfg.conv_kernel - 1, cfg.conv_dim) for _ in range(logs)],
+            rec_log=[z(spec_logs, n, cfg.lin_num_v_heads, cfg.lin_k_dim + cfg.lin_v_dim + 2) for _ in range(logs)])
 
     def reset_slots(self, cache: Cache, slots) -> None:
         for a in cache.conv + cache.rec:
@@ -227,30 +240,35 @@ class NumpyBackend:
         f = h.shape[1] // 2
         return silu(h[:, :f]) * h[:, f:]
 
-    def conv1d(self, x, w, state, meta: Meta):
+    def conv1d(self, x, w, state, meta: Meta, log=None):
         """Causal depthwise conv (kernel K) + SiLU per sequence, continuing from and updating the
-        slot's state: the last K-1 pre-conv inputs (spec §4.2). x [T, C] (a column view), w [C, K]."""
+        slot's state: the last K-1 pre-conv inputs (spec §4.2). x [T, C] (a column view), w [C, K].
+        A verify writes the state after each of its tokens to its log set instead of the slot; a replay
+        starts from the logged state after its last verify's committed tokens (step.py)."""
         K = w.shape[1]
         out = np.empty(x.shape, np.float32)
         step = meta.step
         cu = step.cu_seqlens
         for b, slot in enumerate(step.slots):
-            xp = np.concatenate([state[slot], x[cu[b]:cu[b + 1]]])
             n = cu[b + 1] - cu[b]
+            st, r = _spec(step, b)
+            xp = np.concatenate([log[st, r - 1] if r else state[slot], x[cu[b]:cu[b + 1]]])
             out[cu[b]:cu[b + 1]] = sum(xp[j:j + n] * w[:, j] for j in range(K))
             if step.save_at is not None and step.save_at[b]:  # the K-1 inputs before the saved position
                 state[step.save_rows[b]] = xp[step.save_at[b]:step.save_at[b] + K - 1]
-            if step.spec_rows is not None and step.spec_rows[b] >= 0:  # a verify: after each token but the last
-                for t in range(n - 1):
-                    state[step.spec_rows[b] + t] = xp[t + 1:t + K]
-            state[slot] = xp[-(K - 1):]
+            if st >= 0 and n > 1:  # a verify
+                for t in range(n):
+                    log[st, t] = xp[t + 1:t + K]
+            else:
+                state[slot] = xp[-(K - 1):]
         return silu(out)
 
-    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
+    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta, log=None):
         """Gating, head mapping, q/k L2 norm and the gated delta rule (spec §4.3-§4.7).
         qkv [T, 2*nk*dk + nv*dv] conv output; a, b [T, nv]; state [slots, nv, dk, dv] updated in place.
-        Returns o [T, nv*dv]. Single-token sequences and verifies use the recurrence (a verify keeps the
-        state after each token but the last in its spec rows, step.py), longer ones the chunked form."""
+        Returns o [T, nv*dv]. Single-token sequences and verifies use the recurrence (a verify logs its
+        tokens' inputs and leaves the slot as it was; a replay applies the logged ones first, step.py),
+        longer ones the chunked form."""
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
@@ -268,13 +286,20 @@ class NumpyBackend:
             s = slice(cu[i], cu[i + 1])
             rule = delta_rule_recurrent if cu[i + 1] - cu[i] == 1 else delta_rule_chunked
             r = int(step.save_at[i]) if step.save_at is not None else 0
-            spec = int(step.spec_rows[i]) if step.spec_rows is not None else -1
-            if spec >= 0:
+            st, rp = _spec(step, i)
+            S = state[slot]
+            for j in range(rp):  # the last verify's committed tokens, as it computed them
+                e = log[st, j]
+                _, S = delta_rule_recurrent(np.zeros((1, nv, dk), np.float32), e[None, :, :dk],
+                                            e[None, :, dk:dk + dv], e[None, :, -2], e[None, :, -1], S)
+            if st >= 0 and cu[i + 1] - cu[i] > 1:  # a verify: its tokens logged, the slot keeps the state before them
+                state[slot] = S
                 for t in range(cu[i], cu[i + 1]):
                     h = slice(t, t + 1)
-                    o[h], state[slot] = delta_rule_recurrent(q[h], k[h], v[h], g[h], beta[h], state[slot])
-                    if t + 1 < cu[i + 1]:
-                        state[spec + t - cu[i]] = state[slot]
+                    log[st, t - cu[i]] = np.concatenate([k[t], v[t], g[t][:, None], beta[t][:, None]], 1)
+                    o[h], S = delta_rule_recurrent(q[h], k[h], v[h], g[h], beta[h], S)
+            elif rp:
+                o[s], state[slot] = delta_rule_recurrent(q[s], k[s], v[s], g[s], beta[s], S)
             elif r:  # the chunked form cut at a chunk boundary computes exactly what it does whole
                 h = slice(cu[i], cu[i] + r)
                 o[h], state[step.save_rows[i]] = rule(q[h], k[h], v[h], g[h], beta[h], state[slot])

@@ -34,7 +34,7 @@ from .runner import ForwardInFlight, ModelRunner, Verified
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import AdmissionError, OverloadedError, Scheduler
-from .state_slots import DUMMY_SLOT, SpecRowPool, StateSlotPool
+from .state_slots import DUMMY_SLOT, SpecLogPool, StateSlotPool
 from .state_snapshots import SnapshotPool
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .trace import StepTrace
@@ -149,9 +149,10 @@ class Engine:
                                    max_waiting_requests=a.max_waiting_requests,
                                    # the GDN chunk: prompt chunks then keep the chunked form's boundaries
                                    chunk_align=GDN_CHUNK if a.batch_invariant else 1, prefix=self.prefix,
-                                   spec_rows=SpecRowPool(plan.num_slots + plan.num_snapshots, plan.spec_tokens,
-                                                         plan.num_spec_sets) if spec else None)
-        cache = model.alloc_cache(plan.num_rows, self.kv.num_blocks, a.block_size)
+                                   spec_logs=SpecLogPool(plan.num_spec_logs) if spec else None)
+        # one more log set than the pool hands out: CUDA graphs' padded verify rows write there
+        cache = model.alloc_cache(plan.num_rows, self.kv.num_blocks, a.block_size,
+                                  plan.num_spec_logs + 1 if spec else 0, plan.spec_tokens)
         log.info(plan.describe(backend.name, model.weight_bytes() + (self.drafter.weight_bytes() if spec else 0),
                                a))
         if self.prefix is not None and not plan.num_snapshots:
@@ -170,7 +171,7 @@ class Engine:
                                               capture_now=True,
                                               # verifies' padded rows fit the dummy page: K < block_size
                                               verify_k=plan.spec_tokens if plan.spec_tokens < a.block_size else 0,
-                                              dummy_spec_row=plan.num_rows - plan.spec_tokens,
+                                              dummy_spec_log=plan.num_spec_logs,
                                               capture=self.drafter.capture if self.drafter is not None else None)
         log.info("engine ready in %.1f s (config and weights %.1f s; cache, kernels, warm-up and graphs %.1f s)",
                  time.perf_counter() - t_start, t_weights - t_start, time.perf_counter() - t_weights)
@@ -363,8 +364,8 @@ class Engine:
     def _room(self, req: Request) -> int:
         """How many drafts req may verify next step (0: it decodes plainly): at most what max_tokens leaves
         after the bonus token (a verify never emits past max_tokens, nor computes a position past its KV
-        reservation); none while it prefills, has no rollback rows or pauses."""
-        if req.spec_row is None or req.spec_resume > self._clock(req) or req.num_tokens - req.num_computed != 1:
+        reservation); none while it prefills, has no log set or pauses."""
+        if req.spec_log is None or req.spec_resume > self._clock(req) or req.num_tokens - req.num_computed != 1:
             return 0
         return max(min(self.spec.num_speculative_tokens, req.max_tokens - len(req.output_ids) - req.pending - 1), 0)
 
@@ -476,7 +477,6 @@ class Engine:
         for plan in plans:  # publish what those forwards computed before their tokens can end requests
             self.prefix.commit(plan)
         t1 = time.perf_counter()
-        rejected = []  # verifies that rolled back: (request, drafts accepted)
         for req, res in results:
             req.pending = 0
             if req.status is not Status.RUNNING:  # ended (abort, error) while its token was in flight
@@ -484,11 +484,9 @@ class Engine:
             if isinstance(res, Exception):
                 self._finish(req, "error", error=f"{type(res).__name__}: {res}")
             elif isinstance(res, Verified):
-                self._on_verified(req, res, rejected)
+                self._on_verified(req, res)
             else:
                 self._on_tokens(req, [res])
-        if rejected:
-            self.runner.roll_back(rejected)
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, sampling.marks
 
     def _abandon(self, plans) -> None:
@@ -556,10 +554,11 @@ class Engine:
         else:  # (a step rendered after its launch may have ended the request meanwhile: its event still goes)
             self._emit(req, out)
 
-    def _on_verified(self, req: Request, res: Verified, rejected: list) -> None:
+    def _on_verified(self, req: Request, res: Verified) -> None:
         """A verify's tokens, in one event, each applied as plain decoding would (stop tokens, stop strings
-        and max_tokens end the request at the first that finishes it); if a draft was rejected, the request
-        is rewound and goes on `rejected`, whose states the caller rolls back to the last accepted token's."""
+        and max_tokens end the request at the first that finishes it). Its next step replays the tokens the
+        verify committed (the pending one and the accepted drafts: step.py), which is its rollback; if a
+        draft was rejected, the request is rewound to recompute those positions."""
         s, accepted = self._stats, len(res.tokens) - 1
         s.spec_decode_num_drafts += 1
         s.spec_decode_num_draft_tokens += res.drafted
@@ -573,8 +572,8 @@ class Engine:
             req.spec_misses = 0
         else:
             self._missed(req)
+        req.replay = 1 + accepted
         if accepted < res.drafted:
-            rejected.append((req, accepted))
             self.scheduler.rewind(req, res.drafted - accepted)
 
     def _finish(self, req: Request, reason: str, stop_reason=None, out: RequestOutput | None = None,
@@ -582,8 +581,8 @@ class Engine:
         if req.status is Status.WAITING:
             with self._lock:
                 self._pending -= 1
-        spec = None if self.spec is None else {  # before finish() frees its rollback rows
-            "speculative": req.spec_row is not None, "draft_tokens": req.num_draft_tokens,
+        spec = None if self.spec is None else {  # before finish() frees its log set
+            "speculative": req.spec_log is not None, "draft_tokens": req.num_draft_tokens,
             "accepted_tokens": req.num_accepted_tokens}
         self.scheduler.finish(req)
         if self.drafter is not None:

@@ -60,13 +60,13 @@ class Qwen35Model:
                   + [v for L in self.layers for v in L.values() if hasattr(v, "nbytes")]}
         return sum(a.nbytes for a in arrays.values())
 
-    def alloc_cache(self, num_slots: int, num_blocks: int, block_size: int):
+    def alloc_cache(self, num_slots: int, num_blocks: int, block_size: int, spec_logs: int = 0, spec_tokens: int = 0):
         # the backend sizes KV by the config's attention layers: the drafter's come after the model's own
         cfg = self.cfg
         if self.draft_kv_layers:
             cfg = replace(cfg, layer_types=cfg.layer_types + (FULL,) * self.draft_kv_layers,
                           num_layers=cfg.num_layers + self.draft_kv_layers)
-        return self.ops.alloc_cache(cfg, num_slots, num_blocks, block_size)
+        return self.ops.alloc_cache(cfg, num_slots, num_blocks, block_size, spec_logs, spec_tokens)
 
     def forward(self, step: Step, cache, capture: Capture | None = None):
         """Runs the step's tokens through every layer, updating the cache; returns the logits of
@@ -84,7 +84,8 @@ class Qwen35Model:
         for i, L in enumerate(layers):
             taps.keep(i - 1, residual)  # the stream after the layer before
             if L["kind"] == LINEAR:
-                o, w_o = self._gdn(L, h, meta, cache.conv[lin], cache.rec[lin]), L["out_proj"]
+                logs = (cache.conv_log[lin], cache.rec_log[lin]) if cache.conv_log else (None, None)
+                o, w_o = self._gdn(L, h, meta, cache.conv[lin], cache.rec[lin], *logs), L["out_proj"]
                 lin += 1
             else:
                 o, w_o = self.attention(L, h, meta, cache.k[full], cache.v[full]), L["o_proj"]
@@ -110,14 +111,14 @@ class Qwen35Model:
             return logits
         return logits, ({"post_norm": h} if capture.post_norm else {}) | ({"taps": taps.out} if capture.taps else {})
 
-    def _gdn(self, L, h, meta, conv_state, rec_state):
+    def _gdn(self, L, h, meta, conv_state, rec_state, conv_log=None, rec_log=None):
         """The GDN token mixer up to its output projection (L["out_proj"])."""
         cfg, ops = self.cfg, self.ops
         c, vd, nv = cfg.conv_dim, cfg.value_dim, cfg.lin_num_v_heads
         proj = ops.linear(h, L["in_proj"])  # [T, qkv | z | b | a]
-        qkv = ops.conv1d(proj[:, :c], L["conv"], conv_state, meta)
+        qkv = ops.conv1d(proj[:, :c], L["conv"], conv_state, meta, conv_log)
         o = ops.delta_rule(qkv, proj[:, c + vd + nv:], proj[:, c + vd:c + vd + nv], L["A_log"], L["dt_bias"],
-                           rec_state, meta)
+                           rec_state, meta, rec_log)
         return ops.gated_rms_norm(o, proj[:, c:c + vd], L["norm"], cfg.rms_norm_eps)
 
     def attention(self, L, h, meta, k_cache, v_cache):

@@ -9,7 +9,7 @@ config.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +26,11 @@ class Cache:
     v: list[Any]
     block_size: int
     rows: Any = None  # the backend's own table of the state arrays' rows for copy_slots (CUDA: on the device)
+    # speculative decoding's log sets (step.py), per GDN layer, in the backend's own layout: conv_log
+    # [sets, 1 + k, K-1, conv_dim] (the conv state after each of a verify's tokens), rec_log [sets, 1 + k, ...]
+    # (what each token's recurrent update added); empty without speculative decoding
+    conv_log: list[Any] = field(default_factory=list)
+    rec_log: list[Any] = field(default_factory=list)
 
 
 class Backend(Protocol):
@@ -39,7 +44,9 @@ class Backend(Protocol):
         """Checkpoint array (bf16 bits as uint16, or f32), or a list of them to concatenate along rows (a
         fused projection) -> the backend's weight array."""
 
-    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache: ...
+    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int, spec_logs: int = 0,
+                    spec_tokens: int = 0) -> Cache:
+        """num_slots state rows, num_blocks KV blocks; spec_logs log sets of 1 + spec_tokens entries."""
 
     def reset_slots(self, cache: Cache, slots: list[int]) -> None:
         """Zero the conv and recurrent state of these slots (a sequence's first chunk)."""
@@ -103,14 +110,16 @@ class Backend(Protocol):
         """silu(x gate^T) * (x up^T) [T, F] for x [T, H] and a weight from weight_gate_up: the two GEMMs'
         outputs rounded as the activations' dtype, then the product rounded."""
 
-    def conv1d(self, x, w, state, meta) -> Any:
+    def conv1d(self, x, w, state, meta, log=None) -> Any:
         """Causal depthwise conv + SiLU per sequence, continuing from and updating the slots' state.
-        x [T, C] (column view), w [C, K], state [slots, K-1, C] (in place) -> [T, C]."""
+        x [T, C] (column view), w [C, K], state [slots, K-1, C] (in place) -> [T, C]. log: the layer's
+        Cache.conv_log (a verify's per-token states; a replay's old state, step.py)."""
 
-    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta) -> Any:
+    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta, log=None) -> Any:
         """Gating, GQA head mapping, q/k L2 norm and the gated delta rule. qkv [T, 2*nk*dk + nv*dv]
         (the conv output), a, b [T, nv] (column views), A_log, dt_bias [nv] f32, state
-        [slots, nv, dk, dv] f32 updated in place -> o [T, nv*dv]."""
+        [slots, nv, dk, dv] f32 updated in place -> o [T, nv*dv]. log: the layer's Cache.rec_log (a
+        verify's updates, which a replay applies first, step.py)."""
 
     def gated_rms_norm(self, o, z, w, eps: float) -> Any:
         """Per value head: w * RMSNorm(o) * silu(z). o [T, nv*dv], z [T, nv*dv] (column view), w [dv]."""

@@ -43,7 +43,7 @@ class RequestOutput:
     error: str | None = None
     queue_time: float | None = None    # seconds from arrival to admission; on the first token's event
     cached_tokens: int | None = None   # prompt tokens restored from the prefix cache (None: caching off)
-    # speculative decoding, on the final event: {"speculative": whether it had rollback rows (else it ran
+    # speculative decoding, on the final event: {"speculative": whether it had a log set (else it ran
     # without speculation), "draft_tokens": verified, "accepted_tokens": of which accepted}; None: off
     spec_decode: dict | None = None
 
@@ -105,7 +105,8 @@ class Request:
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)  # speculative decoding: proposed for this step's verify
-    spec_row: int | None = None     # its rollback rows' first (state_slots.SpecRowPool); None: no speculation
+    spec_log: int | None = None     # its log set (state_slots.SpecLogPool); None: no speculation
+    replay: int = 0                 # tokens of its last verify its next step replays from the log (step.py)
     num_draft_tokens: int = 0       # drafts verified, and of them accepted (the final event reports both)
     num_accepted_tokens: int = 0
     spec_misses: int = 0            # proposals in a row that brought no accepted token (engine.py: pauses)

@@ -9,10 +9,10 @@ logits, collect() waits for the tokens and brings them to the host. A sampled to
 forward on the device (Step.feed) before collect() has seen it.
 
 Speculative decoding: a request scheduled with drafts (scheduler.py) is a verify, `[pending token,
-d_1..d_k]` with logits on all 1 + k rows. Its GDN layers keep the state after each of its tokens but the
-last in its rollback rows (step.py); verify.py turns the rows into the emitted tokens (`Verified`), and
-when it accepted a < k drafts the engine has `roll_back()` copy rollback row a into the slot (one copy
-for all such verifies of a step) and rewinds the request by the k - a rejected positions.
+d_1..d_k]` with logits on all 1 + k rows. Its GDN layers log its tokens in its log set and leave the slot
+as it was (step.py); verify.py turns the rows into the emitted tokens (`Verified`), the engine sets
+`req.replay` to the a + 1 tokens it committed (a accepted drafts) and rewinds the request by the k - a
+rejected positions, and the request's next step replays those tokens first: a rollback copies nothing.
 """
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ class ModelRunner:
         snapshots restored into the slots of hits before it; saves inside a chunk written by the step's
         GDN layers (at most one per sequence), saves at a chunk's end copied from the slot after it."""
         fresh = [req.slot for req, _ in batch if req.num_computed == 0]
+        assert not any(req.replay for req, _ in batch if req.num_computed == 0)
         if fresh:  # a sequence's first chunk: its (possibly reused) slot starts from zero state
             self.ops.reset_slots(self.cache, fresh)
         inside, at_end = {}, []  # saves inside a chunk, by slot (the kernels write them); at a chunk's end
@@ -110,7 +111,7 @@ class ModelRunner:
                     inside[slot] = (pos - span[slot][0], sid)
                 else:
                     at_end.append((slot, sid))
-        chunks, want, dst, src, saves, drafts, spec, t = [], [], [], [], {}, {}, {}, 0
+        chunks, want, dst, src, saves, drafts, spec, replay, t = [], [], [], [], {}, {}, {}, {}, 0
         for i, (req, n) in enumerate(batch):
             if req.slot in inside:
                 saves[i] = inside[req.slot]
@@ -124,7 +125,10 @@ class ModelRunner:
             if k:
                 drafts[req] = req.drafts[:k]
                 ids += drafts[req]
-                spec[i] = req.spec_row
+                spec[i] = req.spec_log
+            if req.replay:  # its last verify's committed tokens, from its log set (step.py)
+                spec[i], replay[i] = req.spec_log, req.replay
+                req.replay = 0
             assert len(ids) == n, (req.request_id, start, n, len(ids))
             chunks.append((ids, start, req.slot, req.block_ids))
             want.append(1 + k if start + n >= req.num_tokens else 0)
@@ -135,7 +139,7 @@ class ModelRunner:
             same = len(src) == len(prev.requests) and (src_rows == np.arange(len(src))).all()
             xp = array_module(prev.tokens)
             feed = (np.array(dst, np.int64), prev.tokens if same else prev.tokens[xp.asarray(src_rows)])
-        step = Step.build(chunks, want, feed, saves, spec)
+        step = Step.build(chunks, want, feed, saves, spec, replay)
         start = self.ops.mark() if self.timing else None  # the step's device time includes the copies
         if plan is not None and plan.restore:  # a hit's first chunk resumes from the snapshot's state
             self.ops.copy_slots(self.cache, *plan.restore_ids)
@@ -153,17 +157,12 @@ class ModelRunner:
             logits = graphs.run(step, kind=kind)  # every sequence decodes one token, or verifies K drafts
         else:
             logits = self.model.forward(step, self.cache)
-        if at_end:
+        if at_end:  # (a verify's slot holds the state before it until its next step: verifies save nothing)
+            assert not drafts or not {s for s, _ in at_end} & {req.slot for req in drafts}
             self.ops.copy_slots(self.cache, [a for a, _ in at_end], [b for _, b in at_end])
         marks = (start, self.ops.mark()) if self.timing else ()
         return ForwardInFlight(batch, [req for (req, _), w in zip(batch, want) if w], logits, marks, plan, drafts,
                                record)
-
-    def roll_back(self, verifies: list[tuple[Request, int]]) -> None:
-        """Each (req, accepted): req's verify accepted only `accepted` drafts, and its slot gets the state after
-        its last accepted token (one copy for all, in stream order: after the verifies, before any later
-        forward)."""
-        self.ops.copy_slots(self.cache, [req.spec_row + a for req, a in verifies], [req.slot for req, _ in verifies])
 
     def sample(self, launched: ForwardInFlight) -> SamplingInFlight:
         """Launches the sampling of the step's requests that are still running (one finished while the

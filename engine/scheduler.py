@@ -30,7 +30,7 @@ from collections import deque
 from .kv_blocks import KVBlockManager
 from .prefix_cache import Plan, PrefixCache
 from .request import Request, Status
-from .state_slots import SpecRowPool, StateSlotPool
+from .state_slots import SpecLogPool, StateSlotPool
 
 
 class AdmissionError(ValueError):
@@ -44,7 +44,7 @@ class OverloadedError(RuntimeError):
 class Scheduler:
     def __init__(self, kv: KVBlockManager, slots: StateSlotPool, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_waiting_requests: int, prefill_budget_with_decodes: int = 0,
-                 chunk_align: int = 1, prefix: PrefixCache | None = None, spec_rows: SpecRowPool | None = None):
+                 chunk_align: int = 1, prefix: PrefixCache | None = None, spec_logs: SpecLogPool | None = None):
         """prefill_budget_with_decodes: prompt tokens in a step that also decodes (0: no cap but the step's
         budget). A step's device time grows with its prompt tokens and every decoding request waits for
         the whole step, so this bounds their inter-token latency while prompts arrive; a step with no
@@ -53,7 +53,7 @@ class Scheduler:
         last chunk of one token (a batch-invariant engine passes the GDN chunk, 64: a prompt then takes
         the same kernels and chunk boundaries however the budget splits it).
         prefix: prefix caching over kv (None: off, and nothing here changes).
-        spec_rows: speculative decoding's rollback rows; a request admitted when none is free runs without
+        spec_logs: speculative decoding's log sets; a request admitted when none is free runs without
         speculation (None: speculation off)."""
         if chunk_align > 1 and max_num_batched_tokens < max_num_seqs + 2 * chunk_align:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
@@ -64,7 +64,7 @@ class Scheduler:
                              f"{2 * chunk_align} (prompts are cut at multiples of {chunk_align} tokens)")
         if prefix is not None and prefix.kv is not kv:
             raise ValueError("the prefix cache must own the scheduler's KV block manager")
-        self.kv, self.slots, self.chunk_align, self.prefix, self.spec_rows = kv, slots, chunk_align, prefix, spec_rows
+        self.kv, self.slots, self.chunk_align, self.prefix, self.spec_logs = kv, slots, chunk_align, prefix, spec_logs
         self.plan: Plan | None = None  # prefix caching: the state copies of the batch schedule() returned
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.max_num_batched_tokens, self.max_waiting_requests = max_num_batched_tokens, max_waiting_requests
@@ -171,8 +171,8 @@ class Scheduler:
             return False
         # shared first: allocate() may evict idle cached blocks, never the ones just taken
         req.slot, req.block_ids = self.slots.allocate(), self.kv.share(shared) + self.kv.allocate(need)
-        if self.spec_rows is not None:
-            req.spec_row = self.spec_rows.allocate()
+        if self.spec_logs is not None:
+            req.spec_log = self.spec_logs.allocate()
         req.num_computed = req.cached_tokens = cached
         if self.prefix is not None:
             self.prefix.admit(req, m)
@@ -185,8 +185,9 @@ class Scheduler:
         req.num_computed += num_new
 
     def rewind(self, req: Request, num: int) -> None:
-        """A verify rejected its last num drafts: the runner rolled the state back to its last accepted
-        token, so those positions are computed again (their KV is dead until rewritten)."""
+        """A verify rejected its last num drafts: its GDN state is that after its last accepted token once
+        its next step replays (step.py), so those positions are computed again (their KV is dead until
+        rewritten)."""
         req.num_computed -= num
 
     def finish(self, req: Request) -> None:
@@ -200,7 +201,7 @@ class Scheduler:
             self.running.remove(req)
             self.kv.free(req.block_ids)
             self.slots.free(req.slot)
-            if req.spec_row is not None:
-                self.spec_rows.free(req.spec_row)
-            req.block_ids, req.slot, req.spec_row = [], None, None
+            if req.spec_log is not None:
+                self.spec_logs.free(req.spec_log)
+            req.block_ids, req.slot, req.spec_log, req.replay = [], None, None, 0
         req.status = Status.FINISHED

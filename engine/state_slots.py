@@ -1,12 +1,12 @@
-"""Pools of GDN conv + recurrent state rows: one slot per running sequence, and (speculative decoding) one
-set of rollback rows per speculating sequence.
+"""Pools of GDN state: one conv + recurrent slot per running sequence, and (speculative decoding) one log
+set per speculating sequence.
 
 Slot 0 is a dummy (CUDA-graph padding). The pools only hand out ids; the model runner zeroes
 a slot's state on the first chunk a sequence runs in it, so a reused slot never leaks state.
 
-A rollback set is k consecutive rows (k = the drafts per verify): a verify writes the state after each of
-its tokens but the last into them (step.py), and a verify that accepted a < k drafts copies row a back
-into the slot. A request admitted when no set is free runs without speculation.
+A log set (Cache.conv_log / rec_log) holds what each of a verify's 1 + k tokens changed in the GDN state; the
+slot keeps the state before them, and the sequence's next step replays the tokens the verify committed
+(step.py). A request admitted when no set is free runs without speculation.
 """
 from __future__ import annotations
 
@@ -37,18 +37,19 @@ class StateSlotPool:
         self._free.append(slot)
 
 
-class SpecRowPool:
-    def __init__(self, first_row: int, rows_per_set: int, num_sets: int):
+class SpecLogPool:
+    def __init__(self, num_sets: int):
+        """Sets 0 .. num_sets - 1; the cache has one more (num_sets), for CUDA graphs' padded verify rows."""
         self.capacity = num_sets
-        self._free = [first_row + i * rows_per_set for i in range(num_sets - 1, -1, -1)]
+        self._free = list(range(num_sets - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self) -> int | None:
-        """The first row of a free set, or None (the request then runs without speculation)."""
+        """A free set, or None (the request then runs without speculation)."""
         return self._free.pop() if self._free else None
 
-    def free(self, row: int) -> None:
-        self._free.append(row)
+    def free(self, log: int) -> None:
+        self._free.append(log)

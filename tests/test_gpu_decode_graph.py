@@ -37,11 +37,12 @@ def _model(request, preset):
 
 def copy_cache(c):
     return Cache([a.copy() for a in c.conv], [a.copy() for a in c.rec], [a.copy() for a in c.k],
-                 [a.copy() for a in c.v], c.block_size)
+                 [a.copy() for a in c.v], c.block_size, conv_log=[a.copy() for a in c.conv_log],
+                 rec_log=[a.copy() for a in c.rec_log])
 
 
 def host(c):
-    return {name: [cupy.asnumpy(a) for a in getattr(c, name)] for name in ("conv", "rec", "k", "v")}
+    return {name: [cupy.asnumpy(a) for a in getattr(c, name)] for name in ("conv", "rec", "k", "v", "conv_log", "rec_log")}
 
 
 def bits(x):
@@ -63,7 +64,7 @@ class World:
     """n sequences prefilled eagerly in random non-contiguous slots and pages; spare slot and pages
     nobody owns are filled with a pattern, the dummy slot and page with garbage."""
 
-    def __init__(self, model, n, steps, seed, extra_rows=0):
+    def __init__(self, model, n, steps, seed, spec_logs=0, spec_tokens=0):
         rng = np.random.default_rng(seed)
         self.model, self.rng = model, rng
         self.lens = [int(x) for x in rng.integers(1, 40, n)]
@@ -79,8 +80,8 @@ class World:
         self.spare_blocks = pages[o:]
         self.spare_slots = sorted(set(range(1, self.num_slots)) - set(self.slots))
         self.width = max(need) + 2                              # graphs wider than any table
-        c = self.cache = model.alloc_cache(self.num_slots + extra_rows, self.num_blocks, BS)  # + rollback rows
-        for a in c.conv + c.rec + c.k + c.v:                    # garbage everywhere, then prefill
+        c = self.cache = model.alloc_cache(self.num_slots, self.num_blocks, BS, spec_logs, spec_tokens)
+        for a in c.conv + c.rec + c.k + c.v + c.conv_log + c.rec_log:  # garbage everywhere, then prefill
             if a.dtype == cupy.uint16:
                 a[...] = cupy.asarray(rng.integers(0, 1 << 16, a.shape, dtype=np.uint16) & 0x3FFF)  # finite, < 2
             else:
@@ -200,27 +201,28 @@ def test_graph_rejects_non_decode(request):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny3"])
 def test_graph_verify_bit_exact(request, preset):
-    """Uniform verifies of K drafts (speculative decoding) replay from their own graphs: logits, the
-    activations a drafter reads (a capture), the slots' states and every rollback row equal eager execution
-    of the padded step bit for bit, padded rows write only the dummy slot, page and rollback rows, and a
-    decode step still replays its own graph after."""
+    """Uniform verifies of K drafts (speculative decoding), each after the first replaying some of the last
+    one's tokens (step.py), replay from their own graphs: logits, the activations a drafter reads (a capture),
+    the slots' states and every log set equal eager execution of the padded step bit for bit, padded rows
+    write only the dummy slot, page and log set, and a decode step that replays still replays its own graph
+    after."""
     from engine.model import Capture
     model = _model(request, preset)
     B, K, steps = 3, 3, 3
-    w = World(model, B, steps * (1 + K), seed=5 + len(preset), extra_rows=(B + 1) * K)
-    spec = {i: w.num_slots + i * K for i in range(B)}
-    dummy_rows = w.num_slots + B * K
+    w = World(model, B, steps * (1 + K), seed=5 + len(preset), spec_logs=B + 1, spec_tokens=K)
+    spec = {i: i for i in range(B)}  # log set B: the padding's
     eager_c, plain_c = copy_cache(w.cache), copy_cache(w.cache)
     before = host(w.cache)
     graphs = DecodeGraphs(model, w.cache, max_num_seqs=4, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
-                          max_blocks_per_seq=w.width, verify_k=K, dummy_spec_row=dummy_rows,
+                          max_blocks_per_seq=w.width, verify_k=K, dummy_spec_log=B,
                           capture=Capture(post_norm=True, taps=(0,)))
     pos = list(w.lens)
     worst = 0.0
     for s in range(steps):
         toks = w.rng.integers(0, 248000, (B, 1 + K))
+        replay = {i: 1 + (s + i) % (1 + K) for i in range(B)} if s else None
         st = Step.build([([int(t) for t in toks[i]], pos[i], w.slots[i], w.blocks[i]) for i in range(B)],
-                        [1 + K] * B, spec=spec)
+                        [1 + K] * B, spec=spec, replay=replay)
         assert graphs.kind(st) == K
         got, got_cap = graphs.run(st, with_capture=True)
         assert np.array_equal(graphs.graphs[4, K].staging, graphs.pad(st).packed(BS))
@@ -237,17 +239,25 @@ def test_graph_verify_bit_exact(request, preset):
         pos = [p + 1 + K for p in pos]
     assert (4, K) in graphs.graphs
     g, e = host(w.cache), host(eager_c)
-    for name in ("conv", "rec"):  # every row but the dummy slot and the dummy rollback rows
+    for name in ("conv", "rec"):  # every row but the dummy slot, every log set but the padding's
         for x, y in zip(g[name], e[name]):
-            assert np.array_equal(bits(x[1:dummy_rows]), bits(y[1:dummy_rows])), f"{name} differs"
+            assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{name} differs"
+    for name in ("conv_log", "rec_log"):
+        for x, y in zip(g[name], e[name]):
+            assert np.array_equal(bits(x[:B]), bits(y[:B])), f"{name} differs"
     for name in ("k", "v"):
         for x, y in zip(g[name], e[name]):
             assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{name} differs"
     check_untouched(w, before, g)
     assert worst <= 5e-2, worst
     st = w.decode_step(list(range(B)), pos)
+    st.spec_logs, st.replay = np.arange(B, dtype=np.int32), np.array([1, 2, 1 + K][:B], np.int32)
     assert graphs.kind(st) == 0
     assert np.array_equal(bits(cupy.asnumpy(graphs.run(st))), bits(cupy.asnumpy(graphs.eager(st, eager_c))))
+    g, e = host(w.cache), host(eager_c)
+    for name in ("conv", "rec"):  # a decode's replay writes the slot
+        for x, y in zip(g[name], e[name]):
+            assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{name} differs after a replaying decode"
     mixed = Step.build([([1, 2], pos[0], w.slots[0], w.blocks[0]), ([3], pos[1], w.slots[1], w.blocks[1])],
                        [2, 1], spec={0: spec[0]})
     assert graphs.kind(mixed) is None  # not uniform: eager

@@ -333,7 +333,7 @@ def test_attention_combine_over_many_splits(ref):
 
 
 def test_attention_verify_rows_take_the_decode_kernel(be, ref):
-    """A decode, two verifies (Step.spec_rows: 4 and 16 rows over long contexts) and a prefill: the
+    """A decode, two verifies (Step.spec_logs: 4 and 16 rows over long contexts) and a prefill: the
     verifies' rows go to attn_fwd with the decode (each row sees the keys up to its position), the prefill
     to attn_prefill; all equal the reference."""
     rng = np.random.default_rng(5)
@@ -341,7 +341,7 @@ def test_attention_verify_rows_take_the_decode_kernel(be, ref):
     lens, bases = [1, 4, 16, 70], [900, 1200, 3000, 40]
     nb = sum((b0 + n) // bs + 1 for n, b0 in zip(lens, bases)) + 2
     step = make_step(rng, lens, bases, nb, bs)
-    step.spec_rows = np.array([-1, 8, 12, -1], np.int32)
+    step.spec_logs = np.array([-1, 0, 1, -1], np.int32)
     T = sum(lens)
     q, gate = rnd(rng, T, nh, hd), rnd(rng, T, nh * hd)
     kc, vc = rnd(rng, nb, bs, nkv, hd), rnd(rng, nb, bs, nkv, hd)
@@ -407,30 +407,55 @@ def test_tiny_model_matches_numpy(tiny_dir, tiny3_dir):
         assert np.concatenate(dlps).mean() <= 0.1  # HF bf16 itself: ~0.055 from f32 here
 
 
-def _gdn_state_step(be, ref, rng, step, rows, nk, nv, dk, dv):
-    """conv1d and delta_rule of `step` on both backends from the same random state in `rows` cache rows:
-    outputs within bf16 rounding, conv rows equal (copies of bf16 inputs), recurrent rows within f32
-    rounding. Returns (the GPU metadata, the initial and the final recurrent rows)."""
-    T, C = len(step.tokens), 2 * nk * dk + nv * dv
-    qkv, w = rnd(rng, T, C), rnd(rng, C, 4, scale=0.5)
-    ab = rnd(rng, T, 2 * nv)
-    A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
-    dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
-    conv0, rec0 = rnd(rng, rows, 3, C), (rng.standard_normal((rows, nv, dk, dv)) * 0.5).astype(np.float32)
-    conv_np, rec_np = conv0.np.copy(), rec0.copy()
-    mr = ref.prepare(step, _C())
-    want_x = ref.conv1d(qkv.np, w.np, conv_np, mr)
-    want_o = ref.delta_rule(qkv.np, ab.np[:, :nv], ab.np[:, nv:], A_log, dt_bias, rec_np, mr)
-    conv_dev, rec_dev = conv0.dev.copy(), cupy.asarray(rec0)
-    m = be.prepare(step, be_cache())
-    got_x = be.conv1d(qkv.dev, w.dev, conv_dev, m)
-    got_o = be.delta_rule(qkv.dev, ab.dev[:, :nv], ab.dev[:, nv:], cupy.asarray(A_log), cupy.asarray(dt_bias),
-                          rec_dev, m)
-    assert rel(be.to_host(got_x), want_x) <= BF16_TOL and rel(be.to_host(got_o), want_o) <= BF16_TOL
-    assert rel(be.to_host(conv_dev), conv_np) == 0.0
-    rec = be.to_host(rec_dev)
-    assert rel(rec, rec_np) <= 2e-4
-    return m, rec0, rec
+class _GdnLayer:
+    """One GDN layer's inputs and state on both backends: conv1d then delta_rule, from the same random
+    initial conv and recurrent rows, with speculative log sets (ops.Cache.conv_log / rec_log, each backend's
+    own layout) that start empty."""
+
+    def __init__(self, be, ref, rng, rows, nk, nv, dk, dv, sets=0, K1=0):
+        self.be, self.ref, self.rng, self.nk, self.nv, self.dk, self.dv = be, ref, rng, nk, nv, dk, dv
+        self.C = 2 * nk * dk + nv * dv
+        self.w = rnd(rng, self.C, 4, scale=0.5)
+        self.A_log = np.log(rng.uniform(1, 16, nv)).astype(np.float32)
+        self.dt_bias = rng.uniform(-3, 0, nv).astype(np.float32)
+        conv0 = rnd(rng, rows, 3, self.C)
+        self.rec0 = (rng.standard_normal((rows, nv, dk, dv)) * 0.5).astype(np.float32)
+        self.conv_np, self.conv_dev = conv0.np.copy(), conv0.dev.copy()
+        self.rec_np, self.rec_dev = self.rec0.copy(), cupy.asarray(self.rec0)
+        self.logs_np = self.logs_dev = (None, None)
+        if sets:
+            cfg = gdn_cfg(self.C, nv, dk, dv)
+            cn, cd = ref.alloc_cache(cfg, 1, 1, 16, sets, K1 - 1), be.alloc_cache(cfg, 1, 1, 16, sets, K1 - 1)
+            self.logs_np, self.logs_dev = (cn.conv_log[0], cn.rec_log[0]), (cd.conv_log[0], cd.rec_log[0])
+
+    def step(self, step):
+        """Runs the step on both backends: outputs within bf16 rounding, the conv rows and conv logs equal
+        (copies of bf16 inputs), the recurrent rows within f32 rounding. Returns the GPU metadata."""
+        T, nv = len(step.tokens), self.nv
+        qkv, ab = rnd(self.rng, T, self.C), rnd(self.rng, T, 2 * nv)
+        mr = self.ref.prepare(step, _C())
+        want_x = self.ref.conv1d(qkv.np, self.w.np, self.conv_np, mr, self.logs_np[0])
+        want_o = self.ref.delta_rule(qkv.np, ab.np[:, :nv], ab.np[:, nv:], self.A_log, self.dt_bias, self.rec_np, mr,
+                                     self.logs_np[1])
+        m = self.be.prepare(step, be_cache())
+        got_x = self.be.conv1d(qkv.dev, self.w.dev, self.conv_dev, m, self.logs_dev[0])
+        got_o = self.be.delta_rule(qkv.dev, ab.dev[:, :nv], ab.dev[:, nv:], cupy.asarray(self.A_log),
+                                   cupy.asarray(self.dt_bias), self.rec_dev, m, self.logs_dev[1])
+        assert rel(self.be.to_host(got_x), want_x) <= BF16_TOL and rel(self.be.to_host(got_o), want_o) <= BF16_TOL
+        assert rel(self.be.to_host(self.conv_dev), self.conv_np) == 0.0
+        if self.logs_np[0] is not None:
+            assert rel(self.be.to_host(self.logs_dev[0]), self.logs_np[0]) == 0.0
+        assert rel(self.rec(), self.rec_np) <= 2e-4
+        return m
+
+    def rec(self):
+        return self.be.to_host(self.rec_dev)
+
+
+def gdn_cfg(C, nv, dk, dv):
+    """The config fields alloc_cache reads, for one GDN layer and no attention."""
+    return type("Cfg", (), dict(linear_layers=[0], full_layers=[], conv_kernel=4, conv_dim=C, lin_num_v_heads=nv,
+                                lin_k_dim=dk, lin_v_dim=dv, num_kv_heads=1, head_dim=8))
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
@@ -441,54 +466,118 @@ def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
     lens = [1, 200, 130]
     step = make_step(rng, lens, [9, 0, 0], 64, 16, num_slots=6)
     step.save_at, step.save_rows = np.array([0, 128, 64], np.int32), np.array([0, 6, 7], np.int32)
-    m, rec0, rec = _gdn_state_step(be, ref, rng, step, 8, nk, nv, dk, dv)
-    assert rel(rec[6:], rec0[6:]) > 0.1                 # the saves (rows 6, 7) were written
+    g = _GdnLayer(be, ref, rng, 8, nk, nv, dk, dv)
+    g.step(step)
+    assert rel(g.rec()[6:], g.rec0[6:]) > 0.1                 # the saves (rows 6, 7) were written
+
+
+def _spec(step, logs, replay=None):
+    step.spec_logs = np.array(logs, np.int32)
+    step.replay = None if replay is None else np.array(replay, np.int32)
+    return step
+
+
+def _again(step, i, tokens):
+    """Sequence i of step going on with these new tokens (same slot; its pages, then page 0: the GDN ops read
+    no KV)."""
+    n = int(step.cu_seqlens[i + 1] - step.cu_seqlens[i])
+    pages = [int(b) for b in step.block_tables[i]] + [0] * (-(-len(tokens) // 16) + 1)
+    return tokens, int(step.positions[step.cu_seqlens[i]]) + n, int(step.slots[i]), pages
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
-def test_verify_keeps_the_state_after_each_token(be, ref, nk, nv, dk, dv):
-    """Step.spec_rows (speculative decoding): a decode, two verifies (4 and 2 tokens) and a prefill; the
-    verifies run the token recurrence and write the conv and recurrent state after each of their tokens but
-    the last into their rollback rows, as the reference does; everything else is unchanged."""
+def test_verify_logs_its_tokens_and_the_next_step_replays_them(be, ref, nk, nv, dk, dv):
+    """Step.spec_logs / replay (speculative decoding, step.py), in mixed steps (conv1d_fwd, then
+    conv1d_state_update): a decode, two verifies (4 and 2 tokens) and a prefill; the verifies run the token
+    recurrence, write their tokens to their log sets and leave their slots as they were. The next step
+    replays them: a decode replaying 3 of the 4-token verify's tokens, the 2-token one verifying again after
+    replaying 1, beside a decode and a prefill chunk. Outputs, slots and logs as the reference computes
+    them."""
     rng = np.random.default_rng(12)
-    lens = [1, 4, 2, 90]
-    step = make_step(rng, lens, [9, 20, 33, 0], 64, 16, num_slots=5)  # slots 0-4; rows 5-9 rollback rows
-    step.spec_rows = np.array([-1, 5, 8, -1], np.int32)
-    m, rec0, rec = _gdn_state_step(be, ref, rng, step, 10, nk, nv, dk, dv)
+    step = make_step(rng, [1, 4, 2, 90], [9, 20, 33, 0], 64, 16, num_slots=5)
+    g = _GdnLayer(be, ref, rng, 5, nk, nv, dk, dv, sets=3, K1=4)
+    m = g.step(_spec(step, [-1, 0, 1, -1]))
     assert (m.n_dec, m.n_rec) == (1, 3)
-    assert all(rel(rec[r], rec0[r]) > 0.1 for r in (5, 6, 7, 8))  # written
-    assert rel(rec[9], rec0[9]) == 0.0                              # a 2-token verify writes one row
+    rec, s = g.rec(), step.slots
+    assert rel(rec[s[1]], g.rec0[s[1]]) == 0.0 and rel(rec[s[2]], g.rec0[s[2]]) == 0.0  # a verify's slot kept
+    assert rel(rec[s[0]], g.rec0[s[0]]) > 0.1 and rel(rec[s[3]], g.rec0[s[3]]) > 0.1
+    assert not g.be.to_host(g.logs_dev[1][2]).any()  # set 2 is nobody's
+    nxt = Step.build([_again(step, 0, [5]), _again(step, 1, [6]), _again(step, 2, [7, 8]), _again(step, 3, [9] * 20)],
+                     spec={1: 0, 2: 1}, replay={1: 3, 2: 1})
+    before = g.rec()
+    m = g.step(nxt)
+    assert (m.n_dec, m.n_rec) == (2, 3)
+    after = g.rec()
+    assert all(rel(after[i], before[i]) > 0.1 for i in s)  # the 2-token verify wrote its replayed state
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
 def test_verify_step_writes_conv_states_in_one_launch(be, ref, nk, nv, dk, dv):
     """A step of decodes and verifies only (no prefill): conv1d_fwd takes each sequence's tokens in one block (a
-    token a thread) and writes the new conv state and a verify's per-token states itself (no
-    conv1d_state_update); outputs and every state row as the reference computes them, a verify of 16 tokens (its
-    15 rows) included."""
+    token a thread) and writes the new conv state or a verify's per-token states itself (no
+    conv1d_state_update), a verify of 16 tokens included; then steps of them replaying 2, 1 and 16 of those
+    tokens (a verify again, a decode, a verify). Outputs, every slot and log as the reference computes them."""
     rng = np.random.default_rng(14)
-    lens = [1, 1, 4, 2, 16]
-    step = make_step(rng, lens, [9, 2, 20, 33, 40], 64, 16, num_slots=5)  # slots 0-4; rows 5-23 rollback rows
-    step.spec_rows = np.array([-1, -1, 5, 8, 9], np.int32)
-    m, rec0, rec = _gdn_state_step(be, ref, rng, step, 25, nk, nv, dk, dv)
+    step = make_step(rng, [1, 1, 4, 2, 16], [9, 2, 20, 33, 40], 64, 16, num_slots=5)
+    g = _GdnLayer(be, ref, rng, 5, nk, nv, dk, dv, sets=3, K1=16)
+    m = g.step(_spec(step, [-1, -1, 0, 1, 2]))
     assert (m.n_dec, m.n_rec, m.B) == (2, 5, 5)
-    assert all(rel(rec[r], rec0[r]) > 0.1 for r in range(24))  # the slots and rows 5-7, 8, 9-23 written ...
-    assert rel(rec[24], rec0[24]) == 0.0                       # ... row 24 is nobody's
+    m = g.step(Step.build([_again(step, 3, [4]), _again(step, 2, [1, 2, 3]), _again(step, 4, [5, 6])],
+                          sample=[1, 3, 2], spec={0: 1, 1: 0, 2: 2}, replay={0: 1, 1: 2, 2: 16}))
+    assert (m.n_dec, m.n_rec, m.B) == (1, 3, 3)
+
+
+def test_replay_equals_plain_decoding_bit_for_bit(be):
+    """At the 4B shapes on the GPU alone: a 4-token verify, then a step replaying a of its tokens and
+    decoding one more, leaves the slot's conv and recurrent state and gives the output that decoding those
+    tokens one per step does, bit for bit (the replay is the verify's own arithmetic), for a = 1..4; in both
+    kernels' forms (a decode step; a mixed one, beside a prefill)."""
+    nk, nv, dk, dv = GDN_DIMS[2]
+    rng = np.random.default_rng(15)
+    C = 2 * nk * dk + nv * dv
+    w, qkv, ab = rnd(rng, C, 4, scale=0.5), rnd(rng, 5 + 70, C), rnd(rng, 5 + 70, 2 * nv)
+    A_log = cupy.asarray(np.log(rng.uniform(1, 16, nv)).astype(np.float32))
+    dt_bias = cupy.asarray(rng.uniform(-3, 0, nv).astype(np.float32))
+    conv0, rec0 = rnd(rng, 3, 3, C).dev, cupy.asarray((rng.standard_normal((3, nv, dk, dv)) * 0.5).astype(np.float32))
+    prefill = ([0] * 70, 0, 2, [2] * 5)
+
+    def run(st, rows, cache, conv, rec):
+        m = be.prepare(st, be_cache())
+        x = be.conv1d(qkv.dev[rows], w.dev, conv, m, cache.conv_log[0] if cache else None)
+        return be.delta_rule(x, ab.dev[rows, :nv], ab.dev[rows, nv:], A_log, dt_bias, rec, m,
+                             cache.rec_log[0] if cache else None)[0]
+
+    for mixed in (False, True):
+        for a in range(1, 5):
+            conv, rec = conv0.copy(), rec0.copy()  # plain: tokens 0..a-1, then token 4, one a step
+            for t in list(range(a)) + [4]:
+                want = run(Step.build([([0], t, 1, [1])]), [t], None, conv, rec)
+            cache = be.alloc_cache(gdn_cfg(C, nv, dk, dv), 1, 1, 16, 1, 3)
+            sconv, srec = conv0.copy(), rec0.copy()
+            run(_spec(Step.build([([0] * 4, 0, 1, [1])], sample=[4]), [0]), [0, 1, 2, 3], cache, sconv, srec)
+            assert bool((srec == rec0).all()) and bool((sconv == conv0).all())  # a verify leaves the slot as it was
+            rows = [4] + (list(range(5, 75)) if mixed else [])
+            st = Step.build([([0], a, 1, [1])] + ([prefill] if mixed else []), spec={0: 0}, replay={0: a})
+            got = run(st, rows, cache, sconv, srec)
+            assert bool((got == want).all()), (mixed, a)
+            assert bool((srec[1] == rec[1]).all()) and bool((sconv[1] == conv[1]).all()), (mixed, a)
 
 
 def test_recurrence_walks_many_tiles_per_block(be, ref):
     """At the 4B shapes, 90 decodes then 46 4-token verifies (a step's order): ~17k state tiles, ~33 per
     block of gdn_recurrent (each block walks tiles with the next one's state prefetched, so decode and
-    verify tiles share blocks), outputs and every state row (the slots' and the verifies' per-token rows)
-    as the reference computes them."""
+    verify tiles share blocks), then the 46 replaying 1..4 of their tokens as decodes beside the 90: outputs,
+    every slot and log as the reference computes them."""
     rng = np.random.default_rng(13)
     n = 136
-    lens = [1] * 90 + [4] * 46
-    step = make_step(rng, lens, [3] * n, n + 4, 16, num_slots=n)
+    step = make_step(rng, [1] * 90 + [4] * 46, [3] * n, n + 4, 16, num_slots=n)
     spec = np.full(n, -1, np.int32)
-    spec[90:] = n + 3 * np.arange(46)  # 3 rollback rows per verify
-    step.spec_rows = spec
-    rows = n + 3 * 46
-    m, rec0, rec = _gdn_state_step(be, ref, rng, step, rows, 16, 32, 128, 128)
+    spec[90:] = np.arange(46)
+    g = _GdnLayer(be, ref, rng, n, 16, 32, 128, 128, sets=46, K1=4)
+    m = g.step(_spec(step, spec))
     assert m.n_rec == n
-    assert all(rel(rec[r], rec0[r]) > 0.1 for r in range(rows))  # every slot and rollback row written
+    replay = {i: 1 + i % 4 for i in range(90, n)}
+    before = g.rec()
+    m = g.step(Step.build([_again(step, i, [1]) for i in range(n)], spec={i: i - 90 for i in replay}, replay=replay))
+    assert m.n_dec == n
+    assert all(rel(r, b) > 0.1 for r, b in zip(g.rec(), before))  # every slot written

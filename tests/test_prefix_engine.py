@@ -163,7 +163,7 @@ def pair(engines):
 @pytest.mark.parametrize("src,dst", [([1, 4], [5, 2]), ([3], [0])])
 def test_copy_slots(target, src, dst):
     """copy_slots copies whole rows of every GDN layer's conv and recurrent state, and nothing else (several
-    pairs, and the one pair of a speculative rollback, which the GPU passes by value)."""
+    pairs, and one pair, which the GPU passes by value)."""
     from engine.config import ModelConfig
     from engine.ops import make_backend
     model_dir, device = target

@@ -74,8 +74,8 @@ def run(target, prompts, sp, spec=None, drafter=None, hook=None, **kw):
 def assert_idle(eng, init_memory=None):
     st = eng.stats()
     assert (st.running, st.waiting, st.kv_blocks_used, st.state_slots_free) == (0, 0, 0, st.state_slots_total)
-    rows = eng.scheduler.spec_rows
-    assert rows is None or rows.num_free == rows.capacity
+    logs = eng.scheduler.spec_logs
+    assert logs is None or logs.num_free == logs.capacity
     d = getattr(eng.drafter, "inner", eng.drafter)
     for kept in ("_tokens", "_last", "context"):  # what the n-gram, MTP and DFlash drafters keep per request
         assert not getattr(d, kept, None), kept
@@ -124,17 +124,18 @@ def _fed(eng):
 
 
 def test_off_changes_nothing(tiny_dir):
-    """Speculation off: no rollback rows, no drafter, and decodes fed on the device (overlapped). On: k
-    rollback rows per sequence, and each step collects before it launches."""
+    """Speculation off: no log sets, no drafter, and decodes fed on the device (overlapped). On: a log set of
+    1 + k entries per sequence, no more state rows, and each step collects before it launches."""
     eng, col = make(tiny_dir)
-    assert eng.drafter is None and eng.scheduler.spec_rows is None
+    assert eng.drafter is None and eng.scheduler.spec_logs is None and not eng.runner.cache.rec_log
     assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots
     fed = _fed(eng)
     drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=6, **GREEDY), col)])
     assert fed == [False] + [True] * 5
     eng, col = make(tiny_dir, speculative_config=SPEC, max_num_seqs=4)
-    # 4 sets of rollback rows and one for padding (CUDA graphs)
-    assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots + 5 * SPEC["num_speculative_tokens"]
+    # 4 log sets and one for padding (CUDA graphs)
+    assert eng.runner.cache.rec[0].shape[0] == eng.slots.num_slots
+    assert eng.runner.cache.rec_log[0].shape[:2] == (5, 1 + SPEC["num_speculative_tokens"])
     eng.drafter = Oracle({tuple(PROMPTS[0]): list(range(100, 110))}, right=0)  # never right: stays below PAUSE_AFTER
     fed = _fed(eng)
     drive(eng, col, [eng.submit(PROMPTS[0], SamplingParams(max_tokens=PAUSE_AFTER + 1, **GREEDY), col)])
@@ -258,7 +259,7 @@ def test_greedy_equals_plain(request, preset, right):
     if accepted is not None:
         assert st.spec_decode_num_accepted_tokens == accepted
     assert_idle(eng)
-    assert st.device_memory_used >= init  # the rollback rows
+    assert st.device_memory_used >= init  # the log sets
 
 
 def assert_equal_up_to_noise(target, prompts, want, got, la, lb):
@@ -341,19 +342,19 @@ def test_penalties_and_logprobs_equal_plain(tiny_dir):
             assert abs(x.logprob - y.logprob) < 1e-3
 
 
-def test_requests_beyond_the_rollback_rows_run_without_speculation(tiny_dir):
-    """A memory budget with rollback rows for 2 of 4 sequences: the first 2 admitted speculate, the other 2
-    run without speculation (the final event says which), all 4 give plain greedy's tokens, and the rows
-    return to the pool."""
+def test_requests_beyond_the_log_sets_run_without_speculation(tiny_dir):
+    """A memory budget with log sets for 2 of 4 sequences: the first 2 admitted speculate, the other 2 run
+    without speculation (the final event says which), all 4 give plain greedy's tokens, and the sets return
+    to the pool."""
     from engine.memory import unit_bytes
     sp = SamplingParams(max_tokens=12, **GREEDY)
     want, eng, _, _ = run(tiny_dir, PROMPTS, sp)
-    slot, block = unit_bytes(eng.runner.model, 16)
     k, blocks = SPEC["num_speculative_tokens"], 64
-    budget = 5 * slot + blocks * block + 2 * k * slot  # 4 slots + the dummy, the KV blocks, 2 sets of k rows
+    slot, block, log = unit_bytes(eng.runner.model, 16, k)
+    budget = 5 * slot + blocks * block + 3 * log  # 4 slots + the dummy, the KV blocks, 2 log sets + the padding's
     got, eng, col, rids = run(tiny_dir, PROMPTS, sp, SPEC, Oracle({tuple(p): t for p, t in zip(PROMPTS, want)}),
                               max_num_seqs=4, kv_cache_memory=budget, num_kv_blocks=blocks)
-    assert got == want and eng.scheduler.spec_rows.capacity == 2
+    assert got == want and eng.scheduler.spec_logs.capacity == 2
     spec = [col.last(r).spec_decode for r in rids]
     assert [s["speculative"] for s in spec] == [True, True, False, False]
     assert all(s["draft_tokens"] > 0 and s["accepted_tokens"] == s["draft_tokens"] for s in spec[:2])
@@ -363,14 +364,36 @@ def test_requests_beyond_the_rollback_rows_run_without_speculation(tiny_dir):
 
 # ---- the hybrid state after every step -------------------------------------------------------------
 def _state(eng, req):
-    """req's GDN conv and recurrent rows and the K/V of its computed positions, f32 on the host."""
+    """req's GDN conv and recurrent state and the K/V of its computed positions, f32 on the host. After a
+    verify the slot holds the state before it, and the committed state is the slot's with the tokens its
+    next step replays (step.py) applied here, from the log in the backend's layout."""
     c = eng.runner.cache
     xp = array_module(c.rec[0])
     pos = np.arange(req.num_computed)
     blocks = xp.asarray(np.asarray(req.block_ids)[pos // c.block_size])
     off = xp.asarray(pos % c.block_size)
-    return [np.array(to_numpy(as_f32(x))) for x in [a[req.slot] for a in c.conv + c.rec] +
-            [a[blocks, off] for a in c.k + c.v]]
+    host = lambda x: np.array(to_numpy(as_f32(x)))  # noqa: E731
+    conv, rec = [host(a[req.slot]) for a in c.conv], [host(a[req.slot]) for a in c.rec]
+    if req.replay:
+        conv = [host(log[req.spec_log, req.replay - 1]) for log in c.conv_log]
+        rec = [_replayed(S, host(log[req.spec_log, :req.replay])) for S, log in zip(rec, c.rec_log)]
+    return conv + rec + [host(a[blocks, off]) for a in c.k + c.v]
+
+
+def _replayed(S, entries):
+    """S [nv, dk, dv] after the logged tokens: NumPy's entries [nv, dk + dv + 2] are the recurrence's inputs
+    (k | v | g | beta), CUDA's [nv, dv / 32, dk + pad] each 32-column tile's normalized k, delta and decay."""
+    from engine.backend_numpy import delta_rule_recurrent
+    nv, dk, dv = S.shape
+    for e in entries:
+        if e.ndim == 2:
+            _, S = delta_rule_recurrent(np.zeros((1, nv, dk), np.float32), e[None, :, :dk], e[None, :, dk:dk + dv],
+                                        e[None, :, -2], e[None, :, -1], S)
+        else:
+            k, delta, decay = e[:, :, :dk], e[:, :, dk:dk + 32], e[:, :, dk + 32]  # [nv, tiles, .]
+            S = S.reshape(nv, dk, dv // 32, 32) * decay[:, None, :, None] + k.transpose(0, 2, 1)[..., None] * delta[:, None]
+            S = S.reshape(nv, dk, dv)
+    return S
 
 
 def _rel(a, b):
@@ -379,9 +402,10 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("right", [None, 0, 1, 2], ids=["accept-all", "reject-first", "prefix-1", "prefix-2"])
 def test_state_after_each_step_equals_plain(target, right):
-    """After each step (its tokens collected, a rejection rolled back), the request's KV up to its
-    committed position and every GDN conv and recurrent state equal those of a plain run at the same
-    position: a verify that rejected a draft leaves the state after its last accepted token."""
+    """After each step (its tokens collected), the request's KV up to its committed position and every GDN
+    conv and recurrent state (its slot's, with what its next step replays from the log) equal those of a
+    plain run at the same position: a verify that rejected a draft leaves the state after its last accepted
+    token."""
     p, sp = prompt(7, 37), SamplingParams(max_tokens=20, **GREEDY)
     tol = CPU_TOL if target[1] == "cpu" else GPU_TOL
     eng, col = make(target, max_num_seqs=2, max_num_batched_tokens=64)
@@ -400,7 +424,7 @@ def test_state_after_each_step_equals_plain(target, right):
     while True:
         st = eng.stats()
         eng.step()
-        eng._flush()  # collect now (the next step would first): its rollback is then done
+        eng._flush()  # collect now (the next step would first): its replay count is then known
         drafted = eng.stats().spec_decode_num_draft_tokens - st.spec_decode_num_draft_tokens
         rolled += eng.stats().spec_decode_num_accepted_tokens - st.spec_decode_num_accepted_tokens < drafted
         req = eng._requests.get(rid)

@@ -79,8 +79,8 @@ def _held_requests(eng, n: int, ctx: int, k: int, rng) -> list[Request]:
     for i in range(n):
         req = Request(f"step-{i}", rng.integers(0, TOKENS, ctx).tolist(), SamplingParams(), 1 + k, frozenset(), None)
         req.slot, req.block_ids = eng.slots.allocate(), eng.kv.allocate(eng.kv.blocks_for(req.lifetime_tokens))
-        req.spec_row = eng.scheduler.spec_rows.allocate()
-        assert req.spec_row is not None, "the memory plan left no rollback rows for this batch"
+        req.spec_log = eng.scheduler.spec_logs.allocate()
+        assert req.spec_log is not None, "the memory plan left no log sets for this batch"
         reqs.append(req)
     per = max(1, eng.args.max_num_batched_tokens // ctx)  # prompts per prefill, within the step budget
     for i in range(0, n, per):
@@ -92,7 +92,8 @@ def _held_requests(eng, n: int, ctx: int, k: int, rng) -> list[Request]:
 
 def verify_step_times(eng, k: int, batches: list[int], ctx: int, calls: int) -> list[dict]:
     """Per batch size: the plain decode step and the verify of k drafts, as the engine launches them
-    (runner.forward: the verify also writes its rollback rows)."""
+    (runner.forward; each verify replays the one before it, all of whose drafts it accepted: the most a
+    steady run of verifies replays, step.py)."""
     rng = np.random.default_rng(k)
     runner, ops = eng.runner, eng.runner.model.ops
     graphs = sorted(name for name, v in vars(runner).items() if "graph" in name and v is not None)
@@ -106,7 +107,12 @@ def verify_step_times(eng, k: int, batches: list[int], ctx: int, calls: int) -> 
             plain = time_per_call(lambda: runner.forward([(req, 1) for req in batch], None), ops, calls)
             for req in batch:
                 req.drafts = rng.integers(0, TOKENS, k).tolist()
-            verify = time_per_call(lambda: runner.forward([(req, 1 + k) for req in batch], None), ops, calls)
+
+            def verify_step():
+                for req in batch:
+                    req.replay = 1 + k
+                return runner.forward([(req, 1 + k) for req in batch], None)
+            verify = time_per_call(verify_step, ops, calls)
             rows.append({"k": k, "batch": b, "ctx": ctx, "plain_ms": plain * 1e3, "verify_ms": verify * 1e3,
                          "verify_over_plain": verify / plain, "runner_graphs": graphs})
             print(f"(a) K={k:2d} batch {b:2d}: plain {plain * 1e3:7.2f} ms, verify {verify * 1e3:7.2f} ms "
@@ -115,7 +121,8 @@ def verify_step_times(eng, k: int, batches: list[int], ctx: int, calls: int) -> 
         for req in reqs:
             eng.kv.free(req.block_ids)
             eng.slots.free(req.slot)
-            eng.scheduler.spec_rows.free(req.spec_row)
+            eng.scheduler.spec_logs.free(req.spec_log)
+            req.replay = 0
     return rows
 
 

@@ -65,7 +65,7 @@ def instrument(gpu: bool, drafter=None) -> list:
     undo: list = []
     owners = [(Engine, ["step", "_flush", "_collect", "_propose", "_launch", "_launch_sampling", "_send_deferred",
                         "_on_verified", "_on_tokens", "_schedule_and_launch", "_must_wait"]),
-              (R.ModelRunner, ["forward", "sample", "collect", "roll_back"]), (Scheduler, ["schedule"])]
+              (R.ModelRunner, ["forward", "sample", "collect"]), (Scheduler, ["schedule"])]
     if gpu:
         from engine.gpu import backend as BK, decode_graph as DG
         owners += [(DG.DecodeGraphs, ["run", "_check", "_stage", "kind"]),

@@ -99,9 +99,8 @@ def main(argv=None) -> None:
     K = a.verify_k
     need = -(-(a.ctx + 1 + K) // BS)
     pre = -(-max(lengths + mixed, default=0) // BS)
-    # slot 0 / page 0: the graphs' dummies; after the sequences' slots, K rollback rows per verify (padding's first)
-    spec0 = nmax + 2
-    cache = model.alloc_cache(spec0 + (nmax + 1) * K, 1 + nmax * need + pre, BS)
+    # slot 0 / page 0: the graphs' dummies; log sets 0..nmax - 1 the verifies', nmax the padding's
+    cache = model.alloc_cache(nmax + 2, 1 + nmax * need + pre, BS, nmax + 1 if K else 0, K)
     rng = np.random.default_rng(0)
     out = []
 
@@ -135,12 +134,14 @@ def main(argv=None) -> None:
     if batches:
         graphs = DecodeGraphs(model, cache, max_num_seqs=nmax, dummy_slot=0, dummy_block=0,
                               max_blocks_per_seq=max(need, -(-a.max_model_len // BS)), verify_k=K,
-                              dummy_spec_row=spec0 if K else None)
+                              dummy_spec_log=nmax if K else None)
         for B in batches:
             graph(f"decode graph batch {B}, ctx {a.ctx}", Step.build(decodes(B)))
             if K:
+                # each replays a verify that accepted everything, as in a steady run of verifies (step.py)
                 graph(f"verify graph K = {K} batch {B}, ctx {a.ctx}",
-                      Step.build(decodes(B, 1 + K), [1 + K] * B, spec={i: spec0 + (i + 1) * K for i in range(B)}))
+                      Step.build(decodes(B, 1 + K), [1 + K] * B, spec={i: i for i in range(B)},
+                                 replay={i: 1 + K for i in range(B)}))
     path = a.json or (os.path.join(os.environ["OUT"], "kernel_profile.json") if os.environ.get("OUT")
                       else "kernel_profile.json")
     Path(path).write_text(json.dumps(dict(preset=a.preset, device=device_name(model.ops), pdl=False,

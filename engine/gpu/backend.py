@@ -36,6 +36,7 @@ LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): t
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
+GDN_LOG_PAD = kernels.define("gdn.cu", "GDN_LOG_PAD")  # a tile's log entry: dk + GDN_LOG_PAD floats
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
 # attn_combine's launch: a block per (row, ATTN_COMBINE_DIMS dims), of ATTN_COMBINE_THREADS threads
 ATTN_COMBINE_DIMS = kernels.define("attention.cu", "ATTN_COMBINE_DIMS")
@@ -55,6 +56,17 @@ GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), ker
 ARGMAX_SPLIT_ROWS, ARGMAX_CHUNK = kernels.define("argmax.cu", "ARGMAX_SPLIT_ROWS"), kernels.define("argmax.cu", "ARGMAX_CHUNK")
 ARGMAX_THREADS = kernels.define("argmax.cu", "ARGMAX_THREADS")
 CONV_THREADS = kernels.define("conv1d.cu", "CONV_THREADS")  # conv1d_fwd's block, 8 channels a thread
+
+
+def _log_args(log, meta, entry: tuple, dtype) -> tuple:
+    """A GDN layer's log set array (Cache.conv_log / rec_log: [sets, K1, *entry]) as kernel arguments:
+    (pointer, K1); (null, 0) without one, which a step with log sets may not be."""
+    if log is None:
+        if meta.spec:
+            raise ValueError("a step with speculative log sets (Step.spec_logs) needs a cache with logs")
+        return NULL, i32(0)
+    assert log.dtype == dtype and log.shape[2:] == entry and log.flags.c_contiguous, (log.shape, entry)
+    return log, i32(log.shape[1])
 
 
 def _rs(x: cupy.ndarray) -> np.int64:
@@ -79,9 +91,11 @@ class Meta:
     logits_rows: cupy.ndarray
     save_at: cupy.ndarray       # [B] Step.save_at (zeros: no saves)
     save_rows: cupy.ndarray     # [B]
-    spec_rows: cupy.ndarray     # [B] Step.spec_rows (-1: not a verify)
+    spec_logs: cupy.ndarray     # [B] Step.spec_logs (-1: none)
+    replay: cupy.ndarray        # [B] Step.replay (0: none)
     block_tables: cupy.ndarray  # [B, width]
     max_new: int = 1  # the most new tokens of one sequence (1: a decode step)
+    spec: bool = False  # some sequence verifies or replays (a log set)
     n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
     n_rec: int = 0    # leading decodes and verifies (verifies come next): the GDN token recurrence takes them
     # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
@@ -159,7 +173,9 @@ class CudaBackend:
         return self.weight(np.stack([np.reshape(gate, (F // 8, 8, H)), np.reshape(up, (F // 8, 8, H))], 1)
                            .reshape(2 * F, H))
 
-    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int) -> Cache:
+    def alloc_cache(self, cfg, num_slots: int, num_blocks: int, block_size: int, spec_logs: int = 0,
+                    spec_tokens: int = 0) -> Cache:
+        """rec_log entries: per value head and 32-column state tile, gdn.cu's GDN_LOG_W floats."""
         nlin, nfull = len(cfg.linear_layers), len(cfg.full_layers)
         conv = [cupy.zeros((num_slots, cfg.conv_kernel - 1, cfg.conv_dim), cupy.uint16) for _ in range(nlin)]
         rec = [cupy.zeros((num_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), cupy.float32)
@@ -169,11 +185,15 @@ class CudaBackend:
         rows = (cupy.asarray(np.array([a.data.ptr for a in arrays], np.uint64)),
                 cupy.asarray(np.array([a.strides[0] for a in arrays], np.int64)),
                 max((a.strides[0] for a in arrays), default=0))  # no state arrays: the DFlash drafter's cache
+        n, logs = 1 + spec_tokens, nlin if spec_logs else 0
         return Cache(
             conv=conv, rec=rec,
             k=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
             v=[cupy.zeros((num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), cupy.uint16) for _ in range(nfull)],
-            block_size=block_size, rows=rows)
+            block_size=block_size, rows=rows,
+            conv_log=[cupy.zeros((spec_logs, n, cfg.conv_kernel - 1, cfg.conv_dim), cupy.uint16) for _ in range(logs)],
+            rec_log=[cupy.zeros((spec_logs, n, cfg.lin_num_v_heads, cfg.lin_v_dim // 32, cfg.lin_k_dim + GDN_LOG_PAD),
+                                cupy.float32) for _ in range(logs)])
 
     def reset_slots(self, cache: Cache, slots) -> None:
         idx = cupy.asarray(np.asarray(list(slots), np.int64))
@@ -183,7 +203,7 @@ class CudaBackend:
     def copy_slots(self, cache: Cache, src, dst) -> None:
         """One copy_rows launch over every layer's conv and recurrent array and every (src, dst) pair (for
         the 4B a row is 24 x (2 MiB + 48 KiB)), on the current stream; several pairs go up in one small
-        copy, a single pair (a speculative rollback, on the host's critical path) rides in the arguments."""
+        copy, a single pair (the usual restore or save) rides in the arguments."""
         if not len(src):
             return
         bases, row_bytes, longest = cache.rows
@@ -237,7 +257,7 @@ class CudaBackend:
             o += n
         views[-1] = views[-1].reshape(step.block_tables.shape)
         self.feed(views[0], step.feed)
-        spec_rows = step.spec_rows if step.spec_rows is not None else np.full(B, -1, np.int32)
+        spec_logs = step.spec_logs if step.spec_logs is not None else np.full(B, -1, np.int32)
         ctx = int(step.seq_lens.max(initial=0))
         if max_ctx is not None:
             if max_ctx < ctx:
@@ -245,8 +265,9 @@ class CudaBackend:
             ctx = int(max_ctx)
         lens = np.diff(step.cu_seqlens)
         n_dec = leading_singles(lens)
-        n_rec = n_dec + int(np.cumprod(spec_rows[n_dec:] >= 0).sum())
-        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), n_dec=n_dec, n_rec=n_rec)
+        n_rec = n_dec + int(np.cumprod(spec_logs[n_dec:] >= 0).sum())  # (after the decodes a log set: a verify)
+        return Meta(step, T, B, ctx, *views, max_new=int(lens.max(initial=0)), spec=bool(spec_logs.max(initial=-1) >= 0),
+                    n_dec=n_dec, n_rec=n_rec)
 
     @staticmethod
     def feed(tokens: cupy.ndarray, feed) -> None:
@@ -419,7 +440,7 @@ class CudaBackend:
             self._fn("activation.cu", "silu_mul_kernel")((grid,), (256,), (gate_up, sgu, out, i32(T), i32(F)))
         return out
 
-    def conv1d(self, x, w, state, meta: Meta):
+    def conv1d(self, x, w, state, meta: Meta, log=None):
         """x [T, C] (column view), w bf16 [C, K], state bf16 [slots, K-1, C] updated in place."""
         T, C = x.shape
         K = w.shape[1]
@@ -431,6 +452,7 @@ class CudaBackend:
             if x.strides[1] != 2 or x.strides[0] % 16 or x.data.ptr % 16:
                 x = cupy.ascontiguousarray(x)  # 16-byte loads: a fused width that is not a multiple of 8 (tiny3)
             sx = _rs(x)
+            logs = _log_args(log, meta, (K - 1, C), cupy.uint16)
             # a step of decodes and verifies only (no prefill, hence no snapshot saves): conv1d_fwd writes the new
             # state and a verify's per-token states itself, a sequence's tokens (tt: a power of two >= the most,
             # at most the block's threads) in one block (one launch instead of two). Otherwise tokens per thread:
@@ -448,17 +470,20 @@ class CudaBackend:
                 grid = (bx, -(-T // tt))
             self._fn("conv1d.cu", f"conv1d_fwd<{K}>")(grid, (CONV_THREADS,),
                                                  (x, sx, w, state, out, meta.tok_seq, meta.cu_seqlens, meta.slots,
-                                                  meta.spec_rows, i32(T), i32(C), i32(tt), i32(update)))
+                                                  meta.spec_logs, meta.replay, *logs, i32(T), i32(C), i32(tt),
+                                                  i32(update)))
             if not update:
                 self._fn("conv1d.cu", "conv1d_state_update")(((C + 255) // 256, meta.B), (256,),
                                                         (x, sx, state, meta.cu_seqlens, meta.slots, meta.save_at,
-                                                         meta.save_rows, meta.spec_rows, i32(C), i32(K)))
+                                                         meta.save_rows, meta.spec_logs, meta.replay, *logs, i32(C),
+                                                         i32(K)))
         return out
 
-    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta):
+    def delta_rule(self, qkv, a, b, A_log, dt_bias, state, meta: Meta, log=None):
         """Gated delta rule for every sequence: the token recurrence for the leading decodes and verifies
-        (a verify keeps its per-token states, step.py), the chunked WY form for the rest (prefill, chunked
-        prefill). A decode row thus takes the same kernel in a decode step and in a mixed one."""
+        (a verify logs its tokens, a replay applies them first: step.py), the chunked WY form for the rest
+        (prefill, chunked prefill). A decode row thus takes the same kernel in a decode step and in a mixed
+        one."""
         nv, dk, dv = state.shape[1:]
         nk = (qkv.shape[1] - nv * dv) // (2 * dk)
         T = qkv.shape[0]
@@ -474,7 +499,8 @@ class CudaBackend:
             self._fn("gdn.cu", f"gdn_recurrent<{dk}>", smem)(
                 (min(tiles, GDN_REC_BLOCKS * self.num_sms),), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots,
-                 meta.spec_rows, out, i32(nk), i32(nv), i32(dv), i32(nd)), shared_mem=smem)
+                 meta.spec_logs, meta.replay, *_log_args(log, meta, (nv, dv // 32, dk + GDN_LOG_PAD), cupy.float32), out,
+                 i32(nk), i32(nv), i32(dv), i32(nd)), shared_mem=smem)
         if nd == meta.B:
             return out
         C = GDN_C

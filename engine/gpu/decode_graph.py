@@ -7,14 +7,14 @@ cublasLt GEMM, the final norm and lm_head) once per batch-size bucket and replay
 How a step is run
 - Decode only: every sequence has exactly one new token, and every sequence is sampled. Or, with
   speculative decoding (verify_k = K), a uniform verify: every sequence has 1 + K new tokens, all
-  sampled, and rollback rows (Step.spec_rows); its graph is captured per bucket like a decode's.
+  sampled, and a log set (Step.spec_logs); its graph is captured per bucket like a decode's. Either kind
+  may replay a verify's logged tokens (Step.replay: data in the metadata, as the slots are).
 - The step is padded to its bucket (BUCKETS, then +16 up to max_num_seqs). Padded rows decode token 0
   at position 0 (seq_len 1) into the reserved dummy state slot, with block-table row [dummy_block, ...]:
   they write and read only the dummy slot's conv/recurrent state and row 0 of the dummy KV page, so no
   kernel needs a mask and real sequences are never touched. (Several padded rows share the dummy slot,
   so its contents are garbage; nothing real ever reads it.) A padded verify sequence decodes 1 + K
-  tokens at positions 0..K of the dummy page and keeps its per-token states in K dummy rollback rows
-  (dummy_spec_row).
+  tokens at positions 0..K of the dummy page and logs them in the dummy log set (dummy_spec_log).
 - All metadata (Step.packed: tokens, positions, cu_seqlens, slots, seq_lens, slot_mapping, tok_seq,
   logits_rows, block tables max_blocks_per_seq wide, ...) lives in one static int32 device buffer per
   bucket; run() writes the padded step's layout into a pinned host buffer (the bucket's all-padding
@@ -93,13 +93,13 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, model, cache, max_num_seqs: int, dummy_slot: int, dummy_block: int,
                  max_blocks_per_seq: int, capture_now: bool = False, verify_k: int = 0,
-                 dummy_spec_row: int | None = None, capture=None):
+                 dummy_spec_log: int | None = None, capture=None):
         """model: a Qwen35Model on a CudaBackend; cache: the cache the graphs are bound to (its arrays'
         addresses are baked into the graphs); max_blocks_per_seq: block-table width of every graph
         (the longest context a replay supports is max_blocks_per_seq * block_size). capture_now:
         capture every bucket here (largest first) instead of on first use. verify_k: also replay uniform
-        verifies of that many drafts (0: none); dummy_spec_row: the first of verify_k cache rows that
-        padded verify rows write their per-token states to. capture: a model.Capture every graph also keeps
+        verifies of that many drafts (0: none); dummy_spec_log: the log set padded verify rows write
+        to. capture: a model.Capture every graph also keeps
         (a speculative drafter's: run(..., with_capture=True))."""
         if not getattr(model.ops, "decode_graphs", False):
             raise ValueError(f"DecodeGraphs needs a backend that captures CUDA graphs, not {model.ops.name!r}")
@@ -115,10 +115,10 @@ class DecodeGraphs:
         self.pool = cupy.cuda.MemoryPool()             # every capture-time allocation; lives with the graphs
         self.stream = cupy.cuda.Stream(non_blocking=True)  # capture only; replays go to the current stream
         self.graphs: dict[tuple[int, int], _Captured] = {}
-        if verify_k and not (1 <= verify_k < self.block_size and dummy_spec_row is not None):
+        if verify_k and not (1 <= verify_k < self.block_size and dummy_spec_log is not None):
             raise ValueError(f"verify_k {verify_k} needs 1 <= verify_k < block_size ({self.block_size}) (padded "
-                             "rows fit the dummy page) and dummy_spec_row")
-        self.verify_k, self.dummy_spec_row, self.keep = verify_k, dummy_spec_row, capture
+                             "rows fit the dummy page) and dummy_spec_log")
+        self.verify_k, self.dummy_spec_log, self.keep = verify_k, dummy_spec_log, capture
         if capture_now:
             self.capture_all()
 
@@ -138,7 +138,7 @@ class DecodeGraphs:
         if T == B:
             return 0
         k = self.verify_k
-        if not k or T != B * (1 + k) or step.spec_rows is None or step.spec_rows.min() < 0:
+        if not k or T != B * (1 + k) or step.spec_logs is None or step.spec_logs.min() < 0:
             return None
         return k if step.cu_seqlens.tolist() == list(range(0, T + 1, 1 + k)) else None
 
@@ -155,7 +155,7 @@ class DecodeGraphs:
             step = Step(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32), cu_seqlens=np.zeros(1, np.int32),
                         slots=np.zeros(0, np.int32), block_tables=np.zeros((0, W), np.int32),
                         seq_lens=np.zeros(0, np.int32), logits_rows=np.zeros(0, np.int32),
-                        spec_rows=np.zeros(0, np.int32))
+                        spec_logs=np.zeros(0, np.int32))
         B = step.num_seqs
         tables = np.full((P, W), self.dummy_block, np.int32)
         w = min(step.block_tables.shape[1], W)  # wider tables: _check made sure the extra columns are unused
@@ -168,13 +168,16 @@ class DecodeGraphs:
         slots[:B] = step.slots
         seq_lens = np.full(P, n, np.int32)
         seq_lens[:B] = step.seq_lens
-        spec_rows = None
-        if k:
-            spec_rows = np.full(P, self.dummy_spec_row, np.int32)
-            spec_rows[:B] = step.spec_rows
+        spec_logs = replay = None
+        if k or step.spec_logs is not None:  # padded rows: the dummy set (a verify's) or none, no replay
+            spec_logs = np.full(P, self.dummy_spec_log if k else -1, np.int32)
+            spec_logs[:B] = step.spec_logs
+        if step.replay is not None:
+            replay = np.zeros(P, np.int32)
+            replay[:B] = step.replay
         return Step(tokens=tokens, positions=positions, cu_seqlens=np.arange(P + 1, dtype=np.int32) * n, slots=slots,
                     block_tables=tables, seq_lens=seq_lens, logits_rows=np.arange(P * n, dtype=np.int32),
-                    feed=step.feed, spec_rows=spec_rows)
+                    feed=step.feed, spec_logs=spec_logs, replay=replay)
 
     def _check(self, step: Step, k: int | None = None) -> tuple[int, np.ndarray]:
         """Validates a step for replay; returns its kind (kind(), or the caller's k from it) and each token's
@@ -289,8 +292,10 @@ class DecodeGraphs:
                            ("seq_lens", step.seq_lens)):
             st[f[name]:f[name] + len(rows)] = rows
         st[f["slot_mapping"]:f["slot_mapping"] + t] = blocks * bs + step.positions % bs
-        if g.k:
-            st[f["spec_rows"]:f["spec_rows"] + B] = step.spec_rows
+        for name in ("spec_logs", "replay"):  # (a decode's may be unset: the template's -1 and 0 stand)
+            rows = getattr(step, name)
+            if rows is not None:
+                st[f[name]:f[name] + B] = rows
 
     def eager(self, step: Step, cache=None, with_capture: bool = False):
         """What run() computes, executed eagerly (padded, same max_ctx) on `cache` (default: the bound
