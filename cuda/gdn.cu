@@ -14,7 +14,8 @@
 // state. So a verify moves as much state as a decode (one read, at most one write) where per-token state
 // rows moved K + 1 times that (docs/benchmarks/NOTES.md, lead 10).
 // Grid: min(tiles, GDN_REC_BLOCKS x SMs) blocks, each walking tiles blockIdx.x, + gridDim.x, ...: while it
-// computes one tile the next one's state streams into shared memory (cp.async, two buffers) and its first
+// computes one tile the next one's state (and the log entries it replays) streams into shared memory (cp.async,
+// two buffers: a replay adds no load latency of its own, only its FMAs) and its first
 // token's inputs into registers (the slot and token range two tiles ahead), so an SM's state loads do not
 // stop while its blocks compute (with one tile per block they ran in lockstep phases: ~60% of copy at B = 32).
 #include "common.cuh"
@@ -41,7 +42,8 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
 {
     pdl_enter();
     constexpr int R = DK / GDN_WARPS;
-    extern __shared__ __align__(16) float s_tile[];  // [2][DK][32] state tiles
+    extern __shared__ __align__(16) float s_tile[];  // [2][DK][32] state tiles, then [2][K1][LW] replayed log entries
+    float* s_log = s_tile + 2 * DK * 32;
     __shared__ float s_q[DK], s_k[DK];
     __shared__ float s_red[2][GDN_WARPS];
     __shared__ float s_p[GDN_WARPS][32];
@@ -65,34 +67,49 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
         in.a = a[(long long)t * sa + h];
         in.b = b[(long long)t * sb + h];
     };
-    auto fetch_state = [&](int tile, int slot, float* buf) {  // one cp.async group
-        const float* src = state + (long long)slot * row_size + (long long)((tile / xt) % nv) * DK * dv + (tile % xt) * 32;
+    // a tile's sequence: slot, tokens, and log set * 32 + tokens replayed from it (-1: no log set; packed,
+    // as three of these are live at once and the DK = 128 instance is at its 128-register bound)
+    struct Meta {
+        int slot, t0, t1, log;
+        __device__ int set() const { return log >> 5; }
+        __device__ int replay() const { return log < 0 ? 0 : log & 31; }
+    };
+    auto meta = [&](int tile) {
+        const int seq = tile / (xt * nv), set = spec_logs[seq];
+        return Meta{slots[seq], cu[seq], cu[seq + 1], set >= 0 ? set * 32 + replay[seq] : -1};
+    };
+    constexpr int LW = GDN_LOG_W(DK);
+    const int log_entry = nv * xt * LW;  // one token of a set, every tile
+    // a tile's state, and the log entries it replays, into buffer bi: one cp.async group
+    auto fetch = [&](int tile, const Meta& m, int bi) {
+        const float* src = state + (long long)m.slot * row_size + (long long)((tile / xt) % nv) * DK * dv + (tile % xt) * 32;
+        float* buf = s_tile + bi * DK * 32;
         for (int j = tid; j < DK * 8; j += 128) {
             const int r = j >> 3, c = (j & 7) * 4;
             cp_async16(smem_addr(buf + r * 32 + c), src + (long long)r * dv + c, 16);
         }
+        const float* e = log + (long long)m.set() * K1 * log_entry + (tile % (xt * nv)) * LW;
+        float* dst = s_log + bi * K1 * LW;
+        for (int j = tid; j < m.replay() * (LW / 4); j += 128) {
+            const int r = j / (LW / 4), c = (j % (LW / 4)) * 4;
+            cp_async16(smem_addr(dst + r * LW + c), e + (long long)r * log_entry + c, 16);
+        }
         cp_async_commit();
     };
-    struct Meta { int slot, t0, t1, set, replay; };
-    auto meta = [&](int tile) {
-        const int seq = tile / (xt * nv), set = spec_logs[seq];
-        return Meta{slots[seq], cu[seq], cu[seq + 1], set, set >= 0 ? replay[seq] : 0};
-    };
-    const long long log_entry = (long long)nv * xt * GDN_LOG_W(DK);  // one token of a set, every tile
 
     const int step = gridDim.x;
     int tile = blockIdx.x;
-    Meta cur = meta(tile), nxt{0, 0, 0, -1, 0};
+    Meta cur = meta(tile), nxt{0, 0, 0, -1};
     In in{}, in_next{};
-    fetch_state(tile, cur.slot, s_tile);
+    fetch(tile, cur, 0);
     if (cur.t0 < cur.t1) load(tile, cur.t0, in);
     if (tile + step < tiles) nxt = meta(tile + step);
     for (int i = 0; tile < tiles; ++i, tile += step) {
         const bool more = tile + step < tiles;
         float* buf = s_tile + (i & 1) * DK * 32;
-        Meta after{0, 0, 0, -1, 0};
+        Meta after{0, 0, 0, -1};
         if (more) {  // the next tile's state and first inputs; the slot and tokens of the one after
-            fetch_state(tile + step, nxt.slot, s_tile + ((i + 1) & 1) * DK * 32);
+            fetch(tile + step, nxt, (i + 1) & 1);
             if (nxt.t0 < nxt.t1) load(tile + step, nxt.t0, in_next);
             if (tile + 2 * step < tiles) after = meta(tile + 2 * step);
             cp_async_wait<1>();
@@ -103,23 +120,17 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
 
         const int h = (tile / xt) % nv, col = (tile % xt) * 32 + lane;
         float* S_base = state + (long long)cur.slot * row_size + (long long)h * DK * dv + col;
-        // this tile's entries of the sequence's log set (entry j: + j * log_entry), or null
-        float* L = cur.set >= 0 ? log + (long long)cur.set * K1 * log_entry + (long long)(tile % (xt * nv)) * GDN_LOG_W(DK)
-                                : nullptr;
-        const bool logs = L && cur.t1 - cur.t0 > 1;  // a verify: its tokens go to the log, the slot keeps its state
+        const bool logs = cur.log >= 0 && cur.t1 - cur.t0 > 1;  // a verify: its tokens go to the log, the slot keeps its state
         float S[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) S[r] = buf[(warp * R + r) * 32 + lane];
-        for (int j = 0; j < cur.replay; ++j) {  // the last verify's committed tokens, as the loop below did them
-            const float* e = L + j * log_entry;
-            if (tid < DK) s_k[tid] = e[tid];
-            __syncthreads();
+        for (int j = 0; j < cur.replay(); ++j) {  // the last verify's committed tokens, as the loop below did them
+            const float* e = s_log + ((i & 1) * K1 + j) * LW;  // (landed with the state)
             const float delta = e[DK + lane], decay = e[DK + 32];
 #pragma unroll
-            for (int r = 0; r < R; ++r) S[r] = __fmaf_rn(s_k[warp * R + r], delta, __fmul_rn(S[r], decay));
-            __syncthreads();  // s_k is rewritten next
+            for (int r = 0; r < R; ++r) S[r] = __fmaf_rn(e[warp * R + r], delta, __fmul_rn(S[r], decay));
         }
-        if (logs && cur.replay) {  // the log is about to be overwritten: the slot takes the replayed state
+        if (logs && cur.replay()) {  // the log is about to be overwritten: the slot takes the replayed state
 #pragma unroll
             for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
         }
@@ -170,8 +181,8 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
                 for (int w = 0; w < GDN_WARPS; ++w) acc += s_o[w][lane];
                 out[(long long)t * nv * dv + h * dv + col] = f2bf(acc);
             }
-            if (logs) {
-                float* e = L + (t - cur.t0) * log_entry;
+            if (logs) {  // this tile's entry of the token in the sequence's log set
+                float* e = log + ((long long)cur.set() * K1 + t - cur.t0) * log_entry + (tile % (xt * nv)) * LW;
                 if (tid < DK) e[tid] = s_k[tid];
                 if (warp == 0) e[DK + lane] = delta;
                 if (tid == 0) e[DK + 32] = decay;
@@ -181,7 +192,7 @@ __global__ void __launch_bounds__(128, GDN_REC_BLOCKS) gdn_recurrent(
 #pragma unroll
             for (int r = 0; r < R; ++r) S_base[(long long)(warp * R + r) * dv] = S[r];
         }
-        if (cur.t0 == cur.t1 && !cur.replay) __syncthreads();  // (no token's barriers) buf is refilled next iteration
+        if (cur.t0 == cur.t1) __syncthreads();     // (no token's barriers) buf is refilled next iteration
         cur = nxt;
         nxt = after;
         in = in_next;

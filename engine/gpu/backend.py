@@ -495,12 +495,13 @@ class CudaBackend:
             return out
         nd = meta.n_rec
         if nd:  # blocks walk the (dv / 32) x nv x nd state tiles, the next one's state prefetched (gdn.cu)
-            tiles, smem = dv // 32 * nv * nd, 2 * dk * 32 * 4
+            logs = _log_args(log, meta, (nv, dv // 32, dk + GDN_LOG_PAD), cupy.float32)
+            # two state tiles, and two sets of the log entries a tile replays (K1 of them at most)
+            tiles, smem = dv // 32 * nv * nd, 2 * dk * 32 * 4 + 2 * int(logs[1]) * (dk + GDN_LOG_PAD) * 4
             self._fn("gdn.cu", f"gdn_recurrent<{dk}>", smem)(
                 (min(tiles, GDN_REC_BLOCKS * self.num_sms),), (128,),
                 (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, state, meta.cu_seqlens, meta.slots,
-                 meta.spec_logs, meta.replay, *_log_args(log, meta, (nv, dv // 32, dk + GDN_LOG_PAD), cupy.float32), out,
-                 i32(nk), i32(nv), i32(dv), i32(nd)), shared_mem=smem)
+                 meta.spec_logs, meta.replay, *logs, out, i32(nk), i32(nv), i32(dv), i32(nd)), shared_mem=smem)
         if nd == meta.B:
             return out
         C = GDN_C
