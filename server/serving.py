@@ -51,7 +51,7 @@ class Job:
         if any(x is not None for x in cached):
             out["prompt_tokens_details"] = {"cached_tokens": sum(x or 0 for x in cached)}
         # With speculative decoding on (not vLLM's: it has per-request figures only in its metrics): the choices'
-        # drafted and accepted tokens, and how many ran without speculation (no rollback rows left for them).
+        # drafted and accepted tokens, and how many ran without speculation (no log set left for them).
         spec = [c.spec_decode for c in self.choices if c.spec_decode is not None]
         if spec:
             out["spec_decode"] = {"draft_tokens": sum(s["draft_tokens"] for s in spec),
