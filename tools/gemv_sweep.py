@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
-import cupy
+os.environ.setdefault("QWEN35_PDL", "0")  # the sweep's graphs time each launch alone (no PDL), as before PDL was global
+import cupy  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from bench_kernels import bits, graph_ms  # noqa: E402

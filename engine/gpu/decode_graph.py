@@ -50,7 +50,6 @@ import cupy
 import numpy as np
 
 from ..step import Step
-from . import launch
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -230,8 +229,7 @@ class DecodeGraphs:
             s.synchronize()
             s.begin_capture()
             try:
-                with launch.pdl():  # each kernel's launch overlaps the end of the one before it
-                    out = self.model.forward_meta(meta, self.cache, self.keep)
+                out = self.model.forward_meta(meta, self.cache, self.keep)
             except BaseException:
                 try:
                     s.end_capture()
