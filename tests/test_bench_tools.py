@@ -236,3 +236,17 @@ def test_host_breakdown_with_the_mtp_drafting(tiny_dir, capsys):
     assert "-- oracle p=0.8, K=2, MtpDrafter drafting:" in out
     assert "MtpDrafter.observe" in out and "MtpDrafter.propose" in out and "critical path of" in out
     assert (MtpDrafter.observe, MtpDrafter.propose) == before
+
+
+def test_mixed_step_chunks_the_injected_prompt_at_the_cap(tiny_dir, tmp_path):
+    """tools/mixed_step.py on the tiny model: the injected 300-token prompt runs as ceil(300 / 64) = 5 mixed
+    steps beside the decoding streams (the cap), the decode baseline is traced after it, and the JSON holds
+    what was printed with the run's meta."""
+    import mixed_step as ms
+    out = tmp_path / "ms.json"
+    res = ms.main([str(tiny_dir), "--device", "cpu", "--cap", "64", "--inject-len", "300", "--background", "2",
+                   "--bg-input-len", "24", "--json", str(out)])
+    assert res["mixed"]["steps"] == 5 and res["prefill"]["steps"] == 0 and res["decode"]["steps"] == 20
+    assert res["mixed"]["launch_ms"] > 0 and res["mixed"]["step_ms"] > 0 and res["decode"]["step_ms"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["mixed"] == res["mixed"] and saved["meta"][0]["args"]["cap"] == 64

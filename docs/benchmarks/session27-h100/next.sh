@@ -32,8 +32,9 @@ case "$GPU" in *H200*)
 esac
 for pdl in 1 0; do
   [ $SECONDS -lt $((LIMIT - 60)) ] || break
-  QWEN35_PDL=$pdl timeout 100 python3 docs/benchmarks/session27-h100/mixprof.py /tmp/m4b 256 8192 $OUT > $OUT/prof-pdl$pdl.txt 2>&1
-  grep -E "^(cap|mixed|decode)" $OUT/prof-pdl$pdl.txt | sed "s/^/pdl=$pdl /"; mv $OUT/mix-trace-256.jsonl $OUT/mix-trace-pdl$pdl.jsonl
+  QWEN35_PDL=$pdl timeout 100 python3 tools/mixed_step.py /tmp/m4b --cap 256 --inject-len 8192 --profile \
+    --json $OUT/mixed-step-pdl$pdl.json > $OUT/mixed-step-pdl$pdl.txt 2>&1
+  grep -E "^(mixed|decode)" $OUT/mixed-step-pdl$pdl.txt | sed "s/^/pdl=$pdl /"
 done
 [ $SECONDS -lt $((LIMIT - 120)) ] && timeout 110 python3 tools/bench_mixed.py --launch /tmp/m4b --label cap256 \
   --inject-lens 4096,8192,16384 --qps 0.5,1 --duration 6 --baseline-s 2 --cooldown 1 --out-dir $OUT \
