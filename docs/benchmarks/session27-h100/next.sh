@@ -36,6 +36,9 @@ for pdl in 1 0; do
     --json $OUT/mixed-step-pdl$pdl.json > $OUT/mixed-step-pdl$pdl.txt 2>&1
   grep -E "^(mixed|decode)" $OUT/mixed-step-pdl$pdl.txt | sed "s/^/pdl=$pdl /"
 done
+# a 512-token cap: twice the prompt tokens a step for ~1 ms more device time, if the step stays host-bound
+[ $SECONDS -lt $((LIMIT - 150)) ] && timeout 60 python3 tools/mixed_step.py /tmp/m4b --cap 512 --inject-len 8192 \
+  --json $OUT/mixed-step-cap512.json 2>&1 | grep -E "^(mixed|decode)" | sed "s/^/cap512 /"
 [ $SECONDS -lt $((LIMIT - 120)) ] && timeout 110 python3 tools/bench_mixed.py --launch /tmp/m4b --label cap256 \
   --inject-lens 4096,8192,16384 --qps 0.5,1 --duration 6 --baseline-s 2 --cooldown 1 --out-dir $OUT \
   --server-args "--max-model-len 16400 --max-num-seqs 16 --max-num-batched-tokens 8192 --prefill-budget-with-decodes 256" \
