@@ -44,7 +44,7 @@ def bench(fn, reps=20, warm=3):
 
 def graph_ms(op, n=16):
     """Median ms per call of op(i), i = 0..n-1, n calls captured in one CUDA graph: how a decode step
-    runs them (an event pair around one eager call would also time CuPy's ~30 us launch overhead)."""
+    runs them (an event pair around one eager call would also time the launch's host overhead)."""
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         for i in range(n):
@@ -106,7 +106,7 @@ def main(argv=None):
                          f"{2 * M * N * K / ms / 1e9:.1f} TFLOP/s, {(N * K + M * K + M * N) * 2 / ms / 1e6:.0f} GB/s"))
     # Decode GEMMs, linear() (the cuda/gemv.cu path for M <= GEMV_MAX_M) vs cublasLt: 16 back-to-back calls
     # captured in one CUDA graph (as decode runs them; an event pair around one eager call would also
-    # time CuPy's launch overhead), cycling over weight copies >= 400 MB in all so W comes from HBM.
+    # time the launch's host overhead), cycling over weight copies >= 400 MB in all so W comes from HBM.
     from engine.gpu.gemm import gemm
     for name, N, K in (("in_proj", 12352, H), ("gate_up", 2 * F, H), ("down", H, F), ("qkv", 10240, H),
                        ("o_proj", H, 4096), ("lm_head", V, H)):

@@ -1,6 +1,6 @@
 """CUDA-graph capture and replay of the pure-decode step (CUDA backend only).
 
-At batch size 1 a decode step is launch-bound: ~15 kernels per layer, each with CuPy's launch overhead
+At batch size 1 a decode step is launch-bound: ~15 kernels per layer, each with its launch's host overhead
 (docs/benchmarks/decode-graph-h200.md). DecodeGraphs captures the whole forward (every kernel and
 cublasLt GEMM, the final norm and lm_head) once per batch-size bucket and replays it with one cudaGraphLaunch.
 
