@@ -33,12 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingParams  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from tools.run_meta import device_name, run_meta  # noqa: E402
-
-PARTS = ("step_ms", "gpu_ms", "schedule_ms", "launch_ms", "sample_ms", "wait_ms", "deliver_ms")
+from tools.trace_report import PHASES, load  # noqa: E402
 
 
 def medians(steps: list[dict]) -> dict:
-    return {"steps": len(steps)} | {k: round(float(np.median([s[k] for s in steps])), 3) for k in PARTS if steps}
+    return {"steps": len(steps)} | {k: round(float(np.median([s[k] for s in steps])), 3) for k in ("step_ms",) + PHASES if steps}
 
 
 def main(argv=None) -> dict:
@@ -53,7 +52,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", action="store_true", help="one more injection under cProfile: its top functions")
     ap.add_argument("--json", help="write the result here")
     a = ap.parse_args(argv)
-    trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    tmp = tempfile.TemporaryDirectory()
+    trace = Path(tmp.name) / "steps.jsonl"
     max_len = max(a.inject_len, a.bg_input_len) + 1024
     eng = Engine(a.model_dir, start=False, device=a.device, max_num_seqs=a.background + 2, max_model_len=max_len,
                  max_num_batched_tokens=a.max_num_batched_tokens, prefill_budget_with_decodes=a.cap,
@@ -94,15 +94,15 @@ def main(argv=None) -> dict:
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
             profile = s.getvalue()
         eng.step()  # the last step's trace line is written when the next one begins
-        steps = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-        window = [s for s in steps if t0 <= s["t"] <= t1]
-        after = [s for s in steps if t1 < s["t"] and s["kind"] == "decode"][:20]
+        window = load(trace, (t0, t1))
+        after = [s for s in load(trace) if t1 < s["t"] and s["kind"] == "decode"][:20]
         res = {"mixed": medians([s for s in window if s["kind"] == "mixed"]),
                "prefill": medians([s for s in window if s["kind"] == "prefill"]),
                "decode": medians(after),
                "meta": [run_meta() | {"device": device_name(eng.runner.ops), "args": vars(a)}]}
     finally:
         eng.shutdown()
+        tmp.cleanup()
     for kind in ("mixed", "prefill", "decode"):
         print(f"{kind:8s}", res[kind])
     if profile:
