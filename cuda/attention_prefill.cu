@@ -83,7 +83,8 @@ __device__ __forceinline__ void wg_rs(float (&d)[32], const unsigned (&a)[4], un
 // grid (nkv, ntiles), 256 threads, dynamic smem PF_ROWS * HD * 2 (Q) + 2 stages x 2 x PF_KEYS * HD * 2 (K, V)
 // + 1024 (alignment). q [T, nh, HD] contiguous; gate [T, nh, HD] with strides (sg_t, sg_h, 1);
 // kc/vc [blocks, 1 << bs_shift, nkv, HD]; block_tables [B, bt_stride]; tiles [ntiles, 4] int32: (sequence b,
-// first flat row r0, first token t0, n new tokens); positions[t0] is the sequence's base. out [T, nh * HD].
+// first flat row r0, first token t0, n new tokens; n = 0: empty, skipped); positions[t0] is the sequence's base.
+// out [T, nh * HD].
 template <int HD>
 __global__ void __launch_bounds__(256, 1) attn_prefill(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     const int kvh = blockIdx.x;
     const int4 tl = reinterpret_cast<const int4*>(tiles)[blockIdx.y];
     const int b = tl.x, r0 = tl.y, t0 = tl.z, n = tl.w;
+    if (n == 0) return;  // an empty tile: a mixed step's graph pads its tile list with them (decode_graph.py)
     const int nh = nkv * G;
     const int base = positions[t0];
     const int rows_end = n * G;                          // flat rows of this sequence (per kv head)

@@ -344,6 +344,8 @@ class NumpyBackend:
         st = meta.step
         o = np.empty((T, nh, hd), np.float32)
         for b in range(st.num_seqs):
+            if st.cu_seqlens[b + 1] == st.cu_seqlens[b]:
+                continue  # no new tokens (a CUDA graph's empty padding sequence: gpu/mixed_layout.py)
             n_ctx = int(st.seq_lens[b])
             blocks = st.block_tables[b, :(n_ctx + bs - 1) // bs]
             K = k_cache[blocks].reshape(-1, nkv, hd)[:n_ctx]

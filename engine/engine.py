@@ -166,13 +166,19 @@ class Engine:
             self.runner.warm_up(min(a.max_num_batched_tokens, max_len))
         if backend.decode_graphs and not a.enforce_eager:
             from .gpu.decode_graph import DecodeGraphs
+            from .gpu.mixed_layout import MIXED_MAX_CAP, MIXED_SEQS
+            # small mixed steps replay graphs too (a capped step's host enqueue was its time); not with speculation
+            # (a drafter's capture, verifies) or in batch-invariant mode (its eager kernels stand)
+            cap = a.prefill_budget_with_decodes
+            mixed_cap = cap if MIXED_SEQS < cap <= MIXED_MAX_CAP and spec is None and not a.batch_invariant else 0
             self.runner.graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT,
                                               dummy_block=DUMMY_BLOCK, max_blocks_per_seq=-(-max_len // a.block_size),
                                               capture_now=True,
                                               # verifies' padded rows fit the dummy page: K < block_size
                                               verify_k=plan.spec_tokens if plan.spec_tokens < a.block_size else 0,
                                               dummy_spec_log=plan.num_spec_logs,
-                                              capture=self.drafter.capture if self.drafter is not None else None)
+                                              capture=self.drafter.capture if self.drafter is not None else None,
+                                              mixed_cap=mixed_cap)
         log.info("engine ready in %.1f s (config and weights %.1f s; cache, kernels, warm-up and graphs %.1f s)",
                  time.perf_counter() - t_start, t_weights - t_start, time.perf_counter() - t_weights)
         self.max_model_len = max_len

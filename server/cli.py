@@ -49,13 +49,14 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="tokens per engine step (the prefill chunk)")
     ap.add_argument("--prefill-budget-with-decodes", type=int, default=d.prefill_budget_with_decodes, metavar="N",
                     help="prompt tokens in a step that also decodes: bounds the running requests' inter-token "
-                         "latency while prompts are prefilled (0: only --max-num-batched-tokens)")
+                         "latency while prompts are prefilled (0: only --max-num-batched-tokens; 5..512 on the GPU: such "
+                         "steps replay CUDA graphs)")
     ap.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                     help="waiting queue bound; beyond it requests get 503")
     ap.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="the most logprobs a request may ask for")
     ap.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                     help="fraction of GPU memory for the weights, state slots and KV")
-    ap.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs for decode steps")
+    ap.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (decode, verify and small mixed steps)")
     ap.add_argument("--batch-invariant", action="store_true", default=None,
                     help="a request's output independent of its batch neighbours (CUDA: slower prefill)")
     ap.add_argument("--trace-steps", default=None, metavar="FILE", help="append one JSON line per engine step")

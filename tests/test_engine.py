@@ -170,13 +170,15 @@ def test_seeded_sampling_ignores_batch_neighbours(target, alone_vs_batch):
     assert bad == []
 
 
-@pytest.mark.parametrize("budget", [5, 16, 33])
-def test_chunked_prefill_matches_unchunked(target, target_llm, budget):
+@pytest.mark.parametrize("budget,capped", [(5, False), (16, False), (33, False), (16, True), (33, True)])
+def test_chunked_prefill_matches_unchunked(target, target_llm, budget, capped):
     """A 70-token prompt cut into chunks of `budget` tokens beside a decoding request gives the tokens of
     the prompt computed in one piece, alone: exactly on the NumPy backend; on the GPU by default up to a
     greedy flip within bf16 noise (see test_greedy_alone_equals_inside_mixed_batch: a 33-token chunk and
     the 70-token prompt run cublasLt GEMMs whose algorithm is chosen by timing, gemm.py's TUNE_M), which a
-    chunk that lost or corrupted its state handoff would exceed."""
+    chunk that lost or corrupted its state handoff would exceed. capped: the chunks come from
+    prefill_budget_with_decodes instead of the step budget (on the GPU they replay the small mixed steps'
+    CUDA graphs, gpu/decode_graph.py)."""
     p, sp = prompt(99, 70), SamplingParams(max_tokens=6, **GREEDY)
     la, lb = {}, {}
     target_llm.engine.runner.logits_hook = _record_greedy_logits(la)
@@ -184,11 +186,19 @@ def test_chunked_prefill_matches_unchunked(target, target_llm, budget):
         want = target_llm.generate([p], sp)[0].token_ids
     finally:
         target_llm.engine.runner.logits_hook = None
-    eng, col = make(target, max_num_seqs=4, max_num_batched_tokens=budget)
+    eng, col = make(target, max_num_seqs=4, **({"max_num_batched_tokens": 256, "prefill_budget_with_decodes": budget}
+                                               if capped else {"max_num_batched_tokens": budget}))
     eng.runner.logits_hook = _record_greedy_logits(lb)
-    r0 = eng.submit(p, sp, col)
-    r1 = eng.submit(prompt(1, 9), SamplingParams(max_tokens=20, **GREEDY), col)  # decodes alongside
+    other = (prompt(1, 9), SamplingParams(max_tokens=20, **GREEDY))  # decodes alongside
+    if capped:  # its prefill first, alone: the cap applies beside its decodes
+        r1 = eng.submit(*other, col)
+        eng.step()
+        r0 = eng.submit(p, sp, col)
+    else:
+        r0, r1 = eng.submit(p, sp, col), eng.submit(*other, col)
     drive(eng, col, [r0, r1])
+    if capped and target[1] == "cuda":
+        assert eng.runner.graphs.mixed is not None and any(k < 0 for _, k in eng.runner.graphs.graphs)
     eng.shutdown()
     if target[1] != "cuda":
         assert col.tokens(r0) == want

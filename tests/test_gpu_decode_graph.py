@@ -261,3 +261,56 @@ def test_graph_verify_bit_exact(request, preset):
     mixed = Step.build([([1, 2], pos[0], w.slots[0], w.blocks[0]), ([3], pos[1], w.slots[1], w.blocks[1])],
                        [2, 1], spec={0: spec[0]})
     assert graphs.kind(mixed) is None  # not uniform: eager
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_graph_small_mixed_steps(request, preset):
+    """Small mixed steps (decodes, then a few prompt chunks within mixed_cap tokens) replay their decode bucket's
+    mixed graph: logits and every state equal eager execution of the padded layout bit for bit, agree with the
+    unpadded eager forward up to bf16 rounding, and the padding (decode rows, empty chunk sequences, the filler)
+    writes only the dummy slot and page. Steps cover buckets 1 (no decodes), 4 and 8, one to three chunks, a
+    one-token chunk, sampled and unsampled chunk ends, and fed decode tokens."""
+    from engine.gpu.decode_graph import MIXED
+    model = _model(request, preset)
+    n, cap = 8, 100
+    w = World(model, n, 160, seed=21 + len(preset))
+    eager_c, plain_c = copy_cache(w.cache), copy_cache(w.cache)
+    before = host(w.cache)
+    graphs = DecodeGraphs(model, w.cache, max_num_seqs=8, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
+                          max_blocks_per_seq=w.width, mixed_cap=cap)
+    pos = list(w.lens)
+    # (decoding sequences, [(chunk sequence, tokens, sampled)])
+    plan = [([0, 1, 2], [(5, 37, True)]), ([], [(6, 60, False), (7, 1, True)]),
+            ([3, 0, 1, 2, 4], [(5, 20, False), (6, 1, False), (7, 70, True)]), ([2], [(5, 99, True)])]
+    worst = 0.0
+    for s, (dec, chunks) in enumerate(plan):
+        toks = [[int(t)] for t in w.rng.integers(0, 248000, len(dec))]
+        toks += [[int(t) for t in w.rng.integers(0, 248000, c)] for _, c, _ in chunks]
+        seqs = dec + [i for i, _, _ in chunks]
+        fed = dec and s in (0, 3)  # the decodes' tokens come from the device (0 in the host's rows)
+        st = Step.build([([0] if fed and j < len(dec) else t, pos[i], w.slots[i], w.blocks[i])
+                         for j, (t, i) in enumerate(zip(toks, seqs))],
+                        [1] * len(dec) + [int(smp) for _, _, smp in chunks],
+                        feed=(np.arange(len(dec)), cupy.asarray(np.array([t[0] for t in toks[:len(dec)]], np.int32)))
+                        if fed else None)
+        assert graphs.kind(st) == MIXED
+        got = cupy.asnumpy(graphs.run(st))
+        want = cupy.asnumpy(graphs.eager(st, eager_c))
+        plain = cupy.asnumpy(model.forward(st, plain_c))
+        assert got.shape == (len(st.logits_rows), model.cfg.vocab_size)
+        assert np.array_equal(bits(got), bits(want)), f"step {s}: replay != eager padded"
+        worst = max(worst, rel(got, plain))
+        for t, i in zip(toks, seqs):
+            pos[i] += len(t)
+    assert sorted(graphs.graphs) == [(1, MIXED), (4, MIXED), (8, MIXED)]
+    g, e, p = host(w.cache), host(eager_c), host(plain_c)
+    check_equal_state(g, e, "replay vs eager padded")
+    check_untouched(w, before, g)
+    for x, y in zip(g["rec"], p["rec"]):
+        assert rel(x[w.slots], y[w.slots]) <= 5e-2
+    for name in ("conv", "k", "v"):
+        for x, y in zip(g[name], p[name]):
+            idx = w.slots if name == "conv" else sum(w.blocks, [])
+            assert rel(bf(x[idx]), bf(y[idx])) <= 5e-2
+    print(f"{preset}: mixed replay vs unpadded eager logits rel err {worst:.2e}")
+    assert worst <= 5e-2

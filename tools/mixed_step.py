@@ -10,7 +10,7 @@ includes the device waiting for the host when the host is slower). --profile add
 cProfile and prints its top functions (profiled times run ~1.8x the plain ones).
 
     python3 tools/mixed_step.py MODEL_DIR [--cap 256] [--inject-len 8192] [--background 8] [--profile]
-        [--json out.json]
+        [--enforce-eager] [--json out.json]
 
 --cap is `--prefill-budget-with-decodes`: the prompt tokens of a step that also decodes (0: no cap, the
 step budget --max-num-batched-tokens alone).
@@ -49,6 +49,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bg-input-len", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (small mixed steps replay one)")
     ap.add_argument("--profile", action="store_true", help="one more injection under cProfile: its top functions")
     ap.add_argument("--json", help="write the result here")
     a = ap.parse_args(argv)
@@ -57,7 +58,7 @@ def main(argv=None) -> dict:
     max_len = max(a.inject_len, a.bg_input_len) + 1024
     eng = Engine(a.model_dir, start=False, device=a.device, max_num_seqs=a.background + 2, max_model_len=max_len,
                  max_num_batched_tokens=a.max_num_batched_tokens, prefill_budget_with_decodes=a.cap,
-                 trace_steps=str(trace))
+                 enforce_eager=a.enforce_eager, trace_steps=str(trace))
     try:
         rng = np.random.default_rng(0)
         vocab = min(eng.runner.model.cfg.vocab_size, 20000)  # random ids of ordinary tokens

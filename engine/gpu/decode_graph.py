@@ -1,4 +1,4 @@
-"""CUDA-graph capture and replay of the pure-decode step (CUDA backend only).
+"""CUDA-graph capture and replay of decode steps, verifies and small mixed steps (CUDA backend only).
 
 At batch size 1 a decode step is launch-bound: ~15 kernels per layer, each with its launch's host overhead
 (docs/benchmarks/decode-graph-h200.md). DecodeGraphs captures the whole forward (every kernel and
@@ -9,6 +9,13 @@ How a step is run
   speculative decoding (verify_k = K), a uniform verify: every sequence has 1 + K new tokens, all
   sampled, and a log set (Step.spec_logs); its graph is captured per bucket like a decode's. Either kind
   may replay a verify's logged tokens (Step.replay: data in the metadata, as the slots are).
+- Small mixed steps (mixed_cap > 0): the decodes, then at most MIXED_SEQS prompt chunks of at most
+  mixed_cap tokens in all (the scheduler's `prefill_budget_with_decodes`). Eagerly such a step is its host's
+  enqueue of ~400 launches (~10 ms at 256 tokens), not its device time (docs/benchmarks/session27-h100.md).
+  Its graph per decode bucket P is padded to fixed shapes (gpu/mixed_layout.py: padding decode rows, empty
+  chunk sequences and a filler up to mixed_cap tokens, all in the dummy slot and page); what prepare() reads
+  off a step's lengths (the chunked GDN's grid, attention's rows) the graph fixes by those shapes, and
+  attn_prefill's tile list rides in the metadata buffer, padded with empty tiles.
 - The step is padded to its bucket (BUCKETS, then +16 up to max_num_seqs). Padded rows decode token 0
   at position 0 (seq_len 1) into the reserved dummy state slot, with block-table row [dummy_block, ...]:
   they write and read only the dummy slot's conv/recurrent state and row 0 of the dummy KV page, so no
@@ -50,8 +57,10 @@ import cupy
 import numpy as np
 
 from ..step import Step
+from .mixed_layout import MIXED_SEQS, MixedLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MIXED = -1  # kind() of a small mixed step
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -69,6 +78,12 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return out
 
 
+def _tiles_at(n: int) -> int:
+    """Where a mixed graph's tile list starts after n int32 of metadata: 16-byte aligned (attn_prefill reads
+    a tile as one int4)."""
+    return -(-n // 4) * 4
+
+
 @functools.lru_cache(maxsize=None)
 def _offsets(P: int, n: int, W: int) -> dict[str, int]:
     """Where each Step.FIELDS field starts in a graph's packed metadata: P sequences of n tokens, all sampled."""
@@ -78,28 +93,30 @@ def _offsets(P: int, n: int, W: int) -> dict[str, int]:
 @dataclasses.dataclass
 class _Captured:
     bucket: int
-    k: int                 # drafts per sequence (0: a decode step)
-    buf: cupy.ndarray      # static int32 metadata buffer (CudaBackend.prepare layout)
+    k: int                 # drafts per sequence (0: a decode step; MIXED: a small mixed step)
+    buf: cupy.ndarray      # static int32 metadata buffer (CudaBackend.prepare layout; a mixed step's tiles after)
     graph: object          # cupy.cuda.graph.Graph
-    logits: cupy.ndarray   # static [bucket * (1 + k), vocab] f32 output
+    logits: cupy.ndarray   # static [bucket * (1 + k), vocab] f32 output (mixed: [bucket + MIXED_SEQS, vocab])
     captured: dict | None  # static activations a drafter reads (DecodeGraphs.keep), every row
     staging: np.ndarray    # pinned host copy of buf's contents, the source of each step's async H2D copy
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
     template: np.ndarray   # buf's contents for an all-padding step (Step.packed): what run() writes rows over
+    T: int                 # the graph's tokens (the head of buf: Step.feed's rows)
 
 
 class DecodeGraphs:
     def __init__(self, model, cache, max_num_seqs: int, dummy_slot: int, dummy_block: int,
                  max_blocks_per_seq: int, capture_now: bool = False, verify_k: int = 0,
-                 dummy_spec_log: int | None = None, capture=None):
+                 dummy_spec_log: int | None = None, capture=None, mixed_cap: int = 0):
         """model: a Qwen35Model on a CudaBackend; cache: the cache the graphs are bound to (its arrays'
         addresses are baked into the graphs); max_blocks_per_seq: block-table width of every graph
         (the longest context a replay supports is max_blocks_per_seq * block_size). capture_now:
         capture every bucket here (largest first) instead of on first use. verify_k: also replay uniform
         verifies of that many drafts (0: none); dummy_spec_log: the log set padded verify rows write
         to. capture: a model.Capture every graph also keeps
-        (a speculative drafter's: run(..., with_capture=True))."""
+        (a speculative drafter's: run(..., with_capture=True)). mixed_cap: also replay small mixed steps of
+        at most that many prompt tokens (0: none; not with a capture, whose rows a mixed graph would pad)."""
         if not getattr(model.ops, "decode_graphs", False):
             raise ValueError(f"DecodeGraphs needs a backend that captures CUDA graphs, not {model.ops.name!r}")
         if max_blocks_per_seq < 1:
@@ -118,6 +135,11 @@ class DecodeGraphs:
             raise ValueError(f"verify_k {verify_k} needs 1 <= verify_k < block_size ({self.block_size}) (padded "
                              "rows fit the dummy page) and dummy_spec_log")
         self.verify_k, self.dummy_spec_log, self.keep = verify_k, dummy_spec_log, capture
+        if mixed_cap and capture is not None:
+            raise ValueError("mixed steps' graphs keep no capture (their rows are padded within the step)")
+        self.mixed = (MixedLayout(int(mixed_cap), self.max_num_seqs, self.max_ctx, self.max_blocks_per_seq,
+                                  self.dummy_slot, self.dummy_block, model.cfg.num_heads // model.cfg.num_kv_heads)
+                      if mixed_cap else None)
         if capture_now:
             self.capture_all()
 
@@ -132,8 +154,10 @@ class DecodeGraphs:
         """The step's graph kind: 0 for a pure decode step, K for a uniform verify of verify_k drafts, None
         for any other step (it runs eagerly)."""
         B, T = step.num_seqs, len(step.tokens)
-        if not B or len(step.logits_rows) != T:
+        if not B:
             return None
+        if len(step.logits_rows) != T:
+            return MIXED if self.mixed is not None and self.mixed.fits(step) else None
         if T == B:
             return 0
         k = self.verify_k
@@ -202,10 +226,24 @@ class DecodeGraphs:
         return k, blocks
 
     # ---- capture ---------------------------------------------------------------------------
-    def _meta(self, pstep: Step, cache, out=None):
-        meta = self.ops.prepare(pstep, cache, out=out, max_ctx=self.max_ctx)
+    def _meta(self, pstep: Step, cache, out=None, tiles: np.ndarray | None = None):
+        """prepare()'s Meta of a padded step, uploaded into out (a graph's static buffer) or a fresh one. A mixed
+        step's (tiles: its tile list, uploaded after the metadata) gets the fields prepare() reads off the step's
+        lengths from its graph's shape instead, the same for every step that graph replays."""
+        n = self.ops.meta_size(len(pstep.tokens), pstep.num_seqs, len(pstep.logits_rows), pstep.block_tables.shape[1])
+        meta = self.ops.prepare(pstep, cache, out=None if out is None else out[:n], max_ctx=self.max_ctx)
         if out is not None:  # the final gather reads its rows from the static buffer, not the host
             meta.step = dataclasses.replace(pstep, logits_rows=meta.logits_rows)
+        if tiles is not None:
+            P = pstep.num_seqs - MIXED_SEQS - 1
+            if out is None:
+                dev = cupy.asarray(tiles)
+            else:
+                dev = out[_tiles_at(n):].reshape(tiles.shape)
+                dev.set(tiles)
+            meta.n_dec = meta.n_rec = P  # (a one-token chunk is a chunk here: the filler could be one)
+            meta.max_new = self.mixed.cap
+            meta.prefill_tiles = (self.mixed.group, dev, P)
         return meta
 
     def capture(self, bucket: int, k: int = 0) -> _Captured:
@@ -213,12 +251,18 @@ class DecodeGraphs:
             return self.graphs[bucket, k]
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket ({self.buckets})")
-        if k not in (0, self.verify_k):
-            raise ValueError(f"graphs of {k} drafts: only 0 and verify_k ({self.verify_k})")
+        if k not in (0, self.verify_k) and not (k == MIXED and self.mixed is not None):
+            raise ValueError(f"graphs of {k} drafts: only 0 and verify_k ({self.verify_k}), or MIXED with a mixed_cap")
         W, n = self.max_blocks_per_seq, 1 + k
-        dummy = self._padded(None, bucket, k)  # an all-padding step: every row decodes into the dummy slot / page
-        buf = cupy.zeros(self.ops.meta_size(bucket * n, bucket, bucket * n, W), cupy.int32)
-        meta = self._meta(dummy, self.cache, out=buf)
+        if k == MIXED:  # an all-padding mixed step: padding decode rows and the filler, every chunk empty
+            dummy, tiles = self.mixed.lay_out(None, bucket)
+            T = bucket + self.mixed.cap
+            size = _tiles_at(self.ops.meta_size(T, bucket + MIXED_SEQS + 1, bucket + MIXED_SEQS, W)) + tiles.size
+        else:  # an all-padding step: every row decodes into the dummy slot / page
+            dummy, tiles, T = self._padded(None, bucket, k), None, bucket * n
+            size = self.ops.meta_size(T, bucket, T, W)
+        buf = cupy.zeros(size, cupy.int32)
+        meta = self._meta(dummy, self.cache, out=buf, tiles=tiles)
         # warm-up: kernels, GEMM plans, workspace, RoPE tables
         self.model.forward_meta(meta, self.cache, self.keep)
         cupy.cuda.get_current_stream().synchronize()
@@ -243,11 +287,11 @@ class DecodeGraphs:
         logits, captured = out if self.keep is not None else (out, None)
         g = self.graphs[bucket, k] = _Captured(bucket, k, buf, graph, logits, captured, staging,
                                                cupy.cuda.Event(disable_timing=True), mem,
-                                               dummy.packed(self.block_size))
+                                               dummy.packed(self.block_size), T)
         return g
 
     def capture_all(self) -> None:
-        for k in sorted({0, self.verify_k}, reverse=True):
+        for k in ([MIXED] if self.mixed is not None else []) + sorted({0, self.verify_k}, reverse=True):
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool memory
                 self.capture(b, k)
 
@@ -256,22 +300,46 @@ class DecodeGraphs:
         """Logits [T, vocab] f32 of a pure decode step or a uniform verify, replayed from the bucket's graph
         (captured on first use). A view into the graph's static output, valid until the next run().
         with_capture: (logits, the capture's arrays of the step's T rows), views likewise. kind: the step's
-        kind() when the caller has it (it is not computed again)."""
+        kind() when the caller has it (it is not computed again). A small mixed step's logits are those of its
+        logits_rows."""
+        if (self.kind(step) if kind is None else kind) == MIXED:
+            pstep, tiles, P = self._check_mixed(step)
+            g = self.capture(P, MIXED)
+            g.copied.synchronize()
+            packed = pstep.packed(self.block_size)
+            g.staging[:len(packed)] = packed
+            g.staging[_tiles_at(len(packed)):] = tiles.reshape(-1)
+            self._launch(g, step)
+            return g.logits[:len(step.logits_rows)]
         k, blocks = self._check(step, kind)
         g = self.capture(self.bucket_for(step.num_seqs), k)
-        stream = cupy.cuda.get_current_stream()
         g.copied.synchronize()  # the previous copy out of the staging buffer has been read
         self._stage(g, step, blocks)
-        cupy.cuda.runtime.memcpyAsync(g.buf.data.ptr, g.pinned.ptr, g.staging.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        if step.feed is not None:
-            self.ops.feed(g.buf[:len(g.logits)], step.feed)
-        g.copied.record(stream)
-        g.graph.launch(stream)
+        self._launch(g, step)
         T = len(step.tokens)
         if with_capture:
             return g.logits[:T], {name: a[:T] for name, a in g.captured.items()}
         return g.logits if T == len(g.logits) else g.logits[:T]  # (a full bucket: no view to make on the host)
+
+    def _launch(self, g: _Captured, step: Step) -> None:
+        """The staged metadata up to g's buffer, the fed tokens into it, then g's replay: on the current stream."""
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(g.buf.data.ptr, g.pinned.ptr, g.staging.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        if step.feed is not None:
+            self.ops.feed(g.buf[:g.T], step.feed)
+        g.copied.record(stream)
+        g.graph.launch(stream)
+
+    def _check_mixed(self, step: Step) -> tuple[Step, np.ndarray, int]:
+        """Validates a small mixed step (kind() MIXED) for replay; returns its layout in its graph (MixedLayout) and
+        that graph's decode bucket."""
+        if self.dummy_slot in step.slots.tolist():
+            raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
+        if self.dummy_block in step.token_blocks(self.block_size).tolist():
+            raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
+        P = self.bucket_for(max(self.mixed.decodes(step), 1))
+        return *self.mixed.lay_out(step, P), P
 
     def _stage(self, g: _Captured, step: Step, blocks: np.ndarray) -> None:
         """g.staging := Step.packed of the step padded to g's bucket (what _padded then packed would give),
@@ -299,6 +367,9 @@ class DecodeGraphs:
         """What run() computes, executed eagerly (padded, same max_ctx) on `cache` (default: the bound
         one): the bit-exact reference for a replay. Returns fresh logits [T, vocab] (and the capture's)."""
         cache = self.cache if cache is None else cache
+        if self.kind(step) == MIXED:
+            pstep, tiles, _ = self._check_mixed(step)
+            return self.model.forward_meta(self._meta(pstep, cache, tiles=tiles), cache)[:len(step.logits_rows)]
         T = len(step.tokens)
         out = self.model.forward_meta(self._meta(self.pad(step), cache), cache, self.keep if with_capture else None)
         if with_capture:
