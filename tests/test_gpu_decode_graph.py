@@ -117,6 +117,21 @@ def check_equal_state(a, b, what):
             assert np.array_equal(bits(x[1:]), bits(y[1:])), f"{what}: {name}[{i}] differs"
 
 
+def check_replayed(w, before, eager_c, plain_c):
+    """After replays on w.cache: its state equals the eager padded steps' (eager_c) bit for bit, spare slots and
+    pages are untouched, and the real sequences' state agrees with the unpadded eager path's (plain_c) up to
+    bf16 rounding."""
+    g, e, p = host(w.cache), host(eager_c), host(plain_c)
+    check_equal_state(g, e, "replay vs eager padded")
+    check_untouched(w, before, g)
+    for x, y in zip(g["rec"], p["rec"]):
+        assert rel(x[w.slots], y[w.slots]) <= 5e-2
+    for name in ("conv", "k", "v"):
+        for x, y in zip(g[name], p[name]):
+            idx = w.slots if name == "conv" else sum(w.blocks, [])
+            assert rel(bf(x[idx]), bf(y[idx])) <= 5e-2
+
+
 def test_bucket_sizes():
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert bucket_sizes(112) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112]
@@ -144,16 +159,7 @@ def test_graph_decode_bit_exact(request, preset, B):
         assert got.shape == (B, model.cfg.vocab_size)
         assert np.array_equal(bits(got), bits(want)), f"step {s}: replay != eager padded"
         worst = max(worst, rel(got, plain))
-    g, e, p = host(w.cache), host(eager_c), host(plain_c)
-    check_equal_state(g, e, "replay vs eager padded")
-    check_untouched(w, before, g)
-    # the real sequences' state agrees with the unpadded eager path up to bf16 rounding
-    for x, y in zip(g["rec"], p["rec"]):
-        assert rel(x[w.slots], y[w.slots]) <= 5e-2
-    for name in ("conv", "k", "v"):
-        for x, y in zip(g[name], p[name]):
-            idx = w.slots if name == "conv" else sum(w.blocks, [])
-            assert rel(bf(x[idx]), bf(y[idx])) <= 5e-2
+    check_replayed(w, before, eager_c, plain_c)
     print(f"{preset} B={B}: replay vs unpadded eager logits rel err {worst:.2e}")
     assert worst <= 5e-2
 
@@ -303,14 +309,6 @@ def test_graph_small_mixed_steps(request, preset):
         for t, i in zip(toks, seqs):
             pos[i] += len(t)
     assert sorted(graphs.graphs) == [(1, MIXED), (4, MIXED), (8, MIXED)]
-    g, e, p = host(w.cache), host(eager_c), host(plain_c)
-    check_equal_state(g, e, "replay vs eager padded")
-    check_untouched(w, before, g)
-    for x, y in zip(g["rec"], p["rec"]):
-        assert rel(x[w.slots], y[w.slots]) <= 5e-2
-    for name in ("conv", "k", "v"):
-        for x, y in zip(g[name], p[name]):
-            idx = w.slots if name == "conv" else sum(w.blocks, [])
-            assert rel(bf(x[idx]), bf(y[idx])) <= 5e-2
+    check_replayed(w, before, eager_c, plain_c)
     print(f"{preset}: mixed replay vs unpadded eager logits rel err {worst:.2e}")
     assert worst <= 5e-2
