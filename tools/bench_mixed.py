@@ -147,7 +147,9 @@ async def run_cell(a, tok, model: str, length: int, qps: float) -> dict:
     streams: list[list[bs.RequestResult]] = [[] for _ in range(B)]
     stop = asyncio.Event()
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=httpx.Limits(max_connections=B)) as client:
+    # one client for the background and the injected requests, made before any window: making one inside the
+    # injection window (bench_serving's default) stalled this loop ~40 ms, a background gap of the window
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=httpx.Limits(max_connections=None)) as client:
         async def worker(k: int) -> None:
             while not stop.is_set():
                 res = bs.RequestResult()
@@ -176,7 +178,7 @@ async def run_cell(a, tok, model: str, length: int, qps: float) -> dict:
             await asyncio.sleep(a.baseline_s)
             off0, t0 = _trace_size(a.trace), time.perf_counter()
             injected, _ = await bs.run_benchmark(a.base_url, model, inj, request_rate=qps, seed=seed, extra=EXTRA,
-                                                 api_key=a.api_key, progress=False)
+                                                 api_key=a.api_key, progress=False, client=client)
             t1, off1 = time.perf_counter(), _trace_size(a.trace)
         finally:
             stop.set()
