@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     const int kvh = blockIdx.x;
     const int4 tl = reinterpret_cast<const int4*>(tiles)[blockIdx.y];
     const int b = tl.x, r0 = tl.y, t0 = tl.z, n = tl.w;
-    if (n == 0) return;  // an empty tile: a mixed step's graph pads its tile list with them (decode_graph.py)
+    if (n == 0) return;  // an empty tile: a mixed step's graph pads its tile list with them (gpu/mixed_layout.py)
     const int nh = nkv * G;
     const int base = positions[t0];
     const int rows_end = n * G;                          // flat rows of this sequence (per kv head)

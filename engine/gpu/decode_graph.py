@@ -102,6 +102,7 @@ class _Captured:
     copied: object         # cupy Event recorded after the last copy out of staging
     pinned: object         # the pinned allocation behind staging
     template: np.ndarray   # buf's contents for an all-padding step (Step.packed): what run() writes rows over
+                           # (a mixed step's run() writes all of staging)
     T: int                 # the graph's tokens (the head of buf: Step.feed's rows)
 
 
@@ -151,8 +152,8 @@ class DecodeGraphs:
         raise ValueError(f"decode batch {batch} exceeds max_num_seqs {self.max_num_seqs}")
 
     def kind(self, step: Step) -> int | None:
-        """The step's graph kind: 0 for a pure decode step, K for a uniform verify of verify_k drafts, None
-        for any other step (it runs eagerly)."""
+        """The step's graph kind: 0 for a pure decode step, K for a uniform verify of verify_k drafts, MIXED for
+        a small mixed step (with a mixed_cap), None for any other step (it runs eagerly)."""
         B, T = step.num_seqs, len(step.tokens)
         if not B:
             return None
