@@ -170,7 +170,8 @@ class Engine:
             # small mixed steps replay graphs too (a capped step's host enqueue was its time); not with speculation
             # (a drafter's capture, verifies) or in batch-invariant mode (its eager kernels stand)
             cap = a.prefill_budget_with_decodes
-            mixed_cap = cap if MIXED_SEQS < cap <= MIXED_MAX_CAP and spec is None and not a.batch_invariant else 0
+            mixed_cap = (cap if MIXED_SEQS < cap <= min(MIXED_MAX_CAP, max_len) and spec is None
+                         and not a.batch_invariant else 0)
             self.runner.graphs = DecodeGraphs(model, cache, a.max_num_seqs, dummy_slot=DUMMY_SLOT,
                                               dummy_block=DUMMY_BLOCK, max_blocks_per_seq=-(-max_len // a.block_size),
                                               capture_now=True,

@@ -92,3 +92,5 @@ def test_fits(model):
     assert not lay.fits(fed)  # a fed token outside the decodes
     with pytest.raises(ValueError):
         _layout(model, cap=MIXED_SEQS)
+    with pytest.raises(ValueError):  # the filler would need more block table than the graphs have
+        _layout(model, cap=8 * BS + 1)

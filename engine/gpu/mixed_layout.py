@@ -36,6 +36,8 @@ class MixedLayout:
     def __post_init__(self):
         if self.cap <= MIXED_SEQS:  # more tokens than logits rows, or model.py would take every row as sampled
             raise ValueError(f"a mixed step's cap ({self.cap}) must be > {MIXED_SEQS}")
+        if self.cap > self.max_ctx:  # the filler's positions 0 .. cap - 1 need that many keys of block table
+            raise ValueError(f"a mixed step's cap ({self.cap}) must be <= the graphs' context ({self.max_ctx})")
 
     @property
     def num_tiles(self) -> int:
