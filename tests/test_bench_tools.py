@@ -77,9 +77,9 @@ def test_window_gaps_take_gaps_ending_inside_the_window():
     assert sorted(gaps) == pytest.approx([0.1, 0.3, 0.3, 0.5])
 
 
-def _step(kind, decode_rows, prefill_tokens, step_ms=10.0):
+def _step(kind, decode_rows, prefill_tokens, step_ms=10.0, t=0.0):
     return {"kind": kind, "decode_rows": decode_rows, "prefill_tokens": prefill_tokens, "step_ms": step_ms,
-            "gpu_ms": step_ms - 1.0}
+            "gpu_ms": step_ms - 1.0, "t": t}
 
 
 def test_validity_needs_a_prefill_beside_the_full_background():
@@ -90,6 +90,13 @@ def test_validity_needs_a_prefill_beside_the_full_background():
     s = bx.trace_summary(steps + [_step("mixed", 4, 1024, 90.0)], 4)
     assert s["valid"] and s["valid_steps"] == 1 and s["max_valid_step_gpu_ms"] == 89.0
     assert not bx.trace_summary([], 4)["valid"]
+
+
+def test_engine_max_period_spans_full_decode_steps_only():
+    steps = [_step("decode", 4, 0, t=1.000), _step("mixed", 4, 256, t=1.004), _step("decode", 4, 0, t=1.013),
+             _step("prefill", 0, 900, t=1.020), _step("decode", 4, 0, t=1.090)]  # (the prefill's 70 ms: no full pair)
+    assert bx.trace_summary(steps, 4)["max_full_decode_period_ms"] == pytest.approx(9.0)
+    assert bx.trace_summary(steps[3:], 4)["max_full_decode_period_ms"] is None
 
 
 def test_saturation_reasons():
