@@ -219,19 +219,27 @@ class DecodeGraphs:
             raise ValueError("decode step: seq_lens must be positions + 1")
         if max(lens) > self.max_ctx:
             raise ValueError(f"context {max(lens)} > max_ctx {self.max_ctx} of the graphs")
-        if self.dummy_slot in step.slots.tolist():
-            raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
         blocks = step.token_blocks(self.block_size, np.arange(B, dtype=np.int32).repeat(n))  # (uniform: n a sequence)
-        if self.dummy_block in blocks.tolist():
-            raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
+        self._check_no_dummies(step, blocks)
         return k, blocks
 
+    def _check_no_dummies(self, step: Step, blocks: np.ndarray) -> None:
+        """The step uses neither the dummy slot nor the dummy page (blocks: each token's KV page)."""
+        if self.dummy_slot in step.slots.tolist():
+            raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
+        if self.dummy_block in blocks.tolist():
+            raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
+
     # ---- capture ---------------------------------------------------------------------------
+    def _meta_size(self, pstep: Step) -> int:
+        """int32 elements of a padded step's packed metadata (before a mixed step's tiles)."""
+        return self.ops.meta_size(len(pstep.tokens), pstep.num_seqs, len(pstep.logits_rows), pstep.block_tables.shape[1])
+
     def _meta(self, pstep: Step, cache, out=None, tiles: np.ndarray | None = None):
         """prepare()'s Meta of a padded step, uploaded into out (a graph's static buffer) or a fresh one. A mixed
         step's (tiles: its tile list, uploaded after the metadata) gets the fields prepare() reads off the step's
         lengths from its graph's shape instead, the same for every step that graph replays."""
-        n = self.ops.meta_size(len(pstep.tokens), pstep.num_seqs, len(pstep.logits_rows), pstep.block_tables.shape[1])
+        n = self._meta_size(pstep)
         meta = self.ops.prepare(pstep, cache, out=None if out is None else out[:n], max_ctx=self.max_ctx)
         if out is not None:  # the final gather reads its rows from the static buffer, not the host
             meta.step = dataclasses.replace(pstep, logits_rows=meta.logits_rows)
@@ -254,14 +262,13 @@ class DecodeGraphs:
             raise ValueError(f"{bucket} is not a bucket ({self.buckets})")
         if k not in (0, self.verify_k) and not (k == MIXED and self.mixed is not None):
             raise ValueError(f"graphs of {k} drafts: only 0 and verify_k ({self.verify_k}), or MIXED with a mixed_cap")
-        W, n = self.max_blocks_per_seq, 1 + k
         if k == MIXED:  # an all-padding mixed step: padding decode rows and the filler, every chunk empty
             dummy, tiles = self.mixed.lay_out(None, bucket)
-            T = bucket + self.mixed.cap
-            size = _tiles_at(self.ops.meta_size(T, bucket + MIXED_SEQS + 1, bucket + MIXED_SEQS, W)) + tiles.size
+            size = _tiles_at(self._meta_size(dummy)) + tiles.size
         else:  # an all-padding step: every row decodes into the dummy slot / page
-            dummy, tiles, T = self._padded(None, bucket, k), None, bucket * n
-            size = self.ops.meta_size(T, bucket, T, W)
+            dummy, tiles = self._padded(None, bucket, k), None
+            size = self._meta_size(dummy)
+        T = len(dummy.tokens)
         buf = cupy.zeros(size, cupy.int32)
         meta = self._meta(dummy, self.cache, out=buf, tiles=tiles)
         # warm-up: kernels, GEMM plans, workspace, RoPE tables
@@ -335,10 +342,7 @@ class DecodeGraphs:
     def _check_mixed(self, step: Step) -> tuple[Step, np.ndarray, int]:
         """Validates a small mixed step (kind() MIXED) for replay; returns its layout in its graph (MixedLayout) and
         that graph's decode bucket."""
-        if self.dummy_slot in step.slots.tolist():
-            raise ValueError(f"slot {self.dummy_slot} is the dummy slot, reserved for padding")
-        if self.dummy_block in step.token_blocks(self.block_size).tolist():
-            raise ValueError(f"block {self.dummy_block} is the dummy KV page, reserved for padding")
+        self._check_no_dummies(step, step.token_blocks(self.block_size))
         P = self.bucket_for(max(self.mixed.decodes(step), 1))
         return *self.mixed.lay_out(step, P), P
 
