@@ -9,7 +9,9 @@ measures against an f64 core on unrounded inputs:
   hf_bf16: inputs rounded to bf16, f32 core (the same chunked form), output rounded to bf16;
   ours_x3: the same (bf16x3 ~ f32 products);
   ours_b1: inputs rounded, the state pass's products on bf16-rounded W, P, S, v_new, output rounded;
-  ours_b1_state: the final state's distance (the next chunk's or a decode's start).
+  ours_b1_state: the final state's distance (the next chunk's or a decode's start);
+  fi_fp16_inv / fi_bf16_inv: FlashInfer's order (v_new = T' (v - e^gam k S), no W or U), its T' = (I + A)^-1
+  diag(beta) rounded to fp16 (FlashInfer) or bf16 (FLA stores the inverse in bf16), ratios to hf_bf16.
 Prints one row per prompt length, the ratio ours_b1 / hf_bf16 last; writes the table as JSON.
 
   python3 docs/benchmarks/session29/gdn_precision.py [--lens 128,1024,4096] [--heads 8] [--json PATH]
@@ -29,9 +31,15 @@ def bf16(x):
     return b.astype(np.uint32).view(np.float32)
 
 
-def chunked(q, k, v, g, beta, S, dt, rnd=lambda x: x):
+def fp16(x):
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def chunked(q, k, v, g, beta, S, dt, rnd=lambda x: x, inv=None):
     """The WY chunked form (engine/backend_numpy.delta_rule_chunked) in dtype dt, head-major [h, T, d];
-    rnd rounds the state pass's product operands (W, P, S, v_new; q and k are bf16 already)."""
+    rnd rounds the state pass's product operands (W, P, S, v_new; q and k are bf16 already). inv (a rounding):
+    FlashInfer's order instead, v_new = T' (v - e^gam k S) with T' = (I + A)^-1 diag(beta) rounded by inv and
+    the bracket by rnd (no W or U)."""
     h, T, dk = q.shape
     eye = np.eye(C, dtype=dt)
     incl = np.tril(np.ones((C, C), bool))
@@ -48,7 +56,11 @@ def chunked(q, k, v, g, beta, S, dt, rnd=lambda x: x):
         W = np.linalg.solve(eye + A, kb * np.exp(gam)[..., None])
         P = np.tril(qc @ kc.transpose(0, 2, 1) * D)
         Sr = rnd(S)
-        v_new = U - rnd(W) @ Sr
+        if inv is None:
+            v_new = U - rnd(W) @ Sr
+        else:
+            T_ = np.linalg.solve(eye + A, np.eye(C, dtype=dt)[None] * bc.transpose(0, 2, 1))
+            v_new = inv(T_) @ rnd(vc - np.exp(gam)[..., None] * (kc @ Sr))
         vr = rnd(v_new)
         out[:, sl] = np.exp(gam)[..., None] * (qc @ Sr) + rnd(P) @ vr
         last = gam[:, -1:]
@@ -96,6 +108,10 @@ def main():
              "hf_state": rel(Shf, Sref), "ours_b1_state": rel(Sb1, Sref)}
         r["ratio"] = r["ours_b1"] / r["hf_bf16"]
         r["state_ratio"] = r["ours_b1_state"] / r["hf_state"]
+        for name, inv in (("fi_fp16_inv", fp16), ("fi_bf16_inv", bf16)):  # FlashInfer's order, its inverse rounded
+            o, So = chunked(qb, kb, vb, g, beta, S0, np.float32, rnd=bf16, inv=inv)
+            r[name + "_ratio"] = rel(bf16(o), ref) / r["hf_bf16"]
+            r[name + "_state_ratio"] = rel(So, Sref) / r["hf_state"]
         rows.append(r)
         print(" ".join(f"{k}={v:.3e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     if a.json:
