@@ -75,3 +75,20 @@ def test_split_parts(case):
     assert len(slots) == len(set(slots)) and all(0 <= s < wave for s in slots)
     size = t[:, 5] - t[:, 4]
     assert list(size) == sorted(size, reverse=True)
+
+
+@pytest.mark.parametrize("chunks", [[(256, 16128)], [(100, 9000), (3, 15000), (150, 40)], [(1, 700)]])
+def test_mixed_layout_holds_the_parts(chunks):
+    """A small mixed step's graph lists its tiles in MixedLayout.num_tiles entries, split parts included (up to a
+    wave more than the unsplit tiles), padded with empty tiles."""
+    from engine.gpu.mixed_layout import MixedLayout
+    W, wave, P = 1100, 33, 4
+    lay = MixedLayout(256, 8, W * 16, W, 0, 0, 4, wave)
+    decodes = [([5], 300 + i, 1 + i, [1] * W) for i in range(3)]
+    step = Step.build(decodes + [([0] * n, b0, 10 + i, [2] * W) for i, (n, b0) in enumerate(chunks)])
+    assert lay.fits(step)
+    pstep, tiles = lay.lay_out(step, P)
+    want, _ = prefill_tiles(pstep, 4, P, wave)
+    assert tiles.shape == (lay.num_tiles, 8) and len(want) <= lay.num_tiles
+    assert np.array_equal(tiles[:len(want)], want) and (tiles[len(want):] == 0).all()
+    assert bool((want[:, 6] >= 0).any()) == (chunks[0][1] > 1000)
