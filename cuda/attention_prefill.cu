@@ -38,6 +38,7 @@
 #define PF_KEYS 64   // keys per block
 #define PF_MAX_PARTS 16  // parts a tile's keys split into at most (the merge's weights: PF_ROWS x this floats)
 
+// (Two CTAs per SM at HD 64: the merge's registers would otherwise push it past 128.)
 // grid (nkv, ntiles), 256 threads, dynamic smem PF_ROWS * HD * 2 (Q) + 2 stages x 2 x PF_KEYS * HD * 2 (K, V)
 // + 1024 (alignment). q [T, nh, HD] contiguous; gate [T, nh, HD] with strides (sg_t, sg_h, 1);
 // kc/vc [blocks, 1 << bs_shift, nkv, HD]; block_tables [B, bt_stride]; tiles [ntiles, 8] int32: (sequence b,
@@ -46,7 +47,7 @@
 // sequence's base. Split parts: part_o [slots * nkv, PF_ROWS, HD] and part_ml [slots * nkv, PF_ROWS, 2] f32,
 // slot (first + p) * nkv + kvh; counters [slots * nkv] int32, zero between launches. out [T, nh * HD].
 template <int HD>
-__global__ void __launch_bounds__(256, 1) attn_prefill(
+__global__ void __launch_bounds__(256, HD == 64 ? 2 : 1) attn_prefill(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
     const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, const int* __restrict__ block_tables,
     int bt_stride, const int* __restrict__ tiles, const int* __restrict__ positions, int nkv, int G, int bs_shift,
@@ -61,6 +62,8 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     constexpr int WQ = 64 * HD * 2;     // bytes of one warpgroup's Q
     constexpr int KVB = PF_KEYS * HD * 2;  // bytes of one K or V block
     extern __shared__ __align__(16) unsigned char pf_smem[];
+    static_assert(PF_ROWS * (HD + 8) * 4 + PF_MAX_PARTS * PF_ROWS * 4 <= (PF_ROWS + 4 * PF_KEYS) * HD * 2,
+                  "the epilogue's staging and the merge weights fit in Q's and the K/V stages' shared memory");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, w4 = warp & 3;  // warpgroup; the warp's 16-row slice of it

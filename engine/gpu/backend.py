@@ -102,7 +102,7 @@ class Meta:
     spec: bool = False  # some sequence verifies or replays (a log set)
     n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
     n_rec: int = 0    # leading decodes and verifies (verifies come next): the GDN token recurrence takes them
-    # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 8] int32 or None,
+    # attention()'s prefill work list for this step, built on first use: ((G, wave), tiles [n, 8] int32 or None,
     # number of leading rows on attn_fwd: the decodes' and verifies')
     prefill_tiles: tuple | None = None
     # delta_rule()'s chunked-form sequences, views from n_rec on (cu_seqlens, slots, save_at, save_rows), made by
@@ -616,9 +616,10 @@ class CudaBackend:
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
         if (causal and not window and meta.max_new > 1 and self.kernels.arch == kernels.SM90A
                 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0):
-            if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
-                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec, self.prefill_wave(hd, nkv))
-                meta.prefill_tiles = (G, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
+            key = (G, self.prefill_wave(hd, nkv))  # the parts' workspace slots are the wave's of (hd, nkv)
+            if meta.prefill_tiles is None or meta.prefill_tiles[0] != key:
+                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec, key[1])
+                meta.prefill_tiles = (key, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec

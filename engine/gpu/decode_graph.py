@@ -254,7 +254,7 @@ class DecodeGraphs:
                 dev.set(tiles)
             meta.n_dec = meta.n_rec = P  # (a one-token chunk is a chunk here: the filler could be one)
             meta.max_new = self.mixed.cap
-            meta.prefill_tiles = (self.mixed.group, dev, P)
+            meta.prefill_tiles = ((self.mixed.group, self.mixed.wave), dev, P)
         return meta
 
     def capture(self, bucket: int, k: int = 0) -> _Captured:
