@@ -131,7 +131,8 @@ class CudaBackend:
         # as every kernel runs on the one current stream, in order
         self._gemv_count = cupy.zeros(1, cupy.uint32)
         self._argmax_count = cupy.zeros(ARGMAX_SPLIT_ROWS, cupy.uint32)  # argmax_finite's, per split row; likewise
-        self._pf_parts: dict[tuple, tuple] = {}  # attn_prefill's split-key workspace per (hd, nkv): prefill_wave()
+        # attn_prefill's wave and split-key workspace per (hd, nkv): prefill_wave()
+        self._pf_parts: dict[tuple, tuple] = {}
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
         get_gemm()
@@ -623,7 +624,7 @@ class CudaBackend:
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec
-                part_o, part_ml, counters = self._pf_parts.get((hd, nkv), (NULL, NULL, NULL))  # (none: no split)
+                _, part_o, part_ml, counters = self._pf_parts.get((hd, nkv), (0, NULL, NULL, NULL))  # (none: no split)
                 self._fn("attention_prefill.cu", f"attn_prefill<{hd}>", _pf_smem(hd))(
                     (nkv, tiles.shape[0]), (256,),
                     (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
@@ -655,13 +656,14 @@ class CudaBackend:
         step). Makes the parts' workspace on first use: an eager call, before any graph capture."""
         if self.batch_invariant or self.kernels.arch != kernels.SM90A or hd not in kernels.PREFILL_HD:
             return 0
-        wave = self.num_sms * self.kernels.resident("attention_prefill.cu", f"attn_prefill<{hd}>", 256,
-                                                    _pf_smem(hd)) // nkv
-        if (hd, nkv) not in self._pf_parts:
+        got = self._pf_parts.get((hd, nkv))
+        if got is None:  # (attention() asks every layer: computed once)
+            wave = self.num_sms * self.kernels.resident("attention_prefill.cu", f"attn_prefill<{hd}>", 256,
+                                                        _pf_smem(hd)) // nkv
             slots = wave * nkv
-            self._pf_parts[hd, nkv] = (cupy.empty((slots, PF_ROWS, hd), cupy.float32),
-                                       cupy.empty((slots, PF_ROWS, 2), cupy.float32), cupy.zeros(slots, cupy.int32))
-        return wave
+            got = self._pf_parts[hd, nkv] = (wave, cupy.empty((slots, PF_ROWS, hd), cupy.float32),
+                                             cupy.empty((slots, PF_ROWS, 2), cupy.float32), cupy.zeros(slots, cupy.int32))
+        return got[0]
 
     def _attn_split(self, meta: Meta, hd: int, G: int, nkv: int, n_dec: int):
         """attn_fwd's key split for the step's first n_dec rows: (keys per split, or 0 for even splits; number
