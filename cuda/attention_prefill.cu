@@ -10,6 +10,11 @@
 // and a tile is 128 useful rows whatever G is (4 or 6: no per-head padding); a short sequence wastes at
 // most one partial tile. Tiles never straddle sequences; the host lists them (seq, first row), most keys
 // first. Each warpgroup owns 64 rows; both read the same K/V blocks (one load from L2 per 128 rows).
+// Split keys: a tile of a short chunk over a long context (a mixed step's 256 tokens over 16k keys are 8 tiles
+// per kv head, 32 CTAs on 132 SMs walking 256 key blocks each) is cut by the host into parts of consecutive
+// key blocks. Each part writes its unnormalized O, row max and row sum to a workspace slot; the part that
+// arrives last (a counter per group, re-zeroed by it) merges the group's parts in part order and runs the
+// epilogue.
 //
 // Why wgmma (sm_90a) and not mma.sync: mma.sync takes every B fragment through ldmatrix per 16-row warp
 // tile, 256 bytes of shared memory per m16n8k16, the SM's whole shared-memory bandwidth at the tensor
@@ -31,18 +36,23 @@
 
 #define PF_ROWS 128  // query rows (token, head pairs) per CTA: 2 warpgroups x 64
 #define PF_KEYS 64   // keys per block
+#define PF_MAX_PARTS 16  // parts a tile's keys split into at most (the merge's weights: PF_ROWS x this floats)
 
+// (Two CTAs per SM at HD 64: the merge's registers would otherwise push it past 128.)
 // grid (nkv, ntiles), 256 threads, dynamic smem PF_ROWS * HD * 2 (Q) + 2 stages x 2 x PF_KEYS * HD * 2 (K, V)
 // + 1024 (alignment). q [T, nh, HD] contiguous; gate [T, nh, HD] with strides (sg_t, sg_h, 1);
-// kc/vc [blocks, 1 << bs_shift, nkv, HD]; block_tables [B, bt_stride]; tiles [ntiles, 4] int32: (sequence b,
-// first flat row r0, first token t0, n new tokens; n = 0: empty, skipped); positions[t0] is the sequence's base.
-// out [T, nh * HD].
+// kc/vc [blocks, 1 << bs_shift, nkv, HD]; block_tables [B, bt_stride]; tiles [ntiles, 8] int32: (sequence b,
+// first flat row r0, first token t0, n new tokens; n = 0: empty, skipped), then (first and end key block,
+// the group's first workspace slot or -1 when the tile is whole, part p << 16 | parts); positions[t0] is the
+// sequence's base. Split parts: part_o [slots * nkv, PF_ROWS, HD] and part_ml [slots * nkv, PF_ROWS, 2] f32,
+// slot (first + p) * nkv + kvh; counters [slots * nkv] int32, zero between launches. out [T, nh * HD].
 template <int HD>
-__global__ void __launch_bounds__(256, 1) attn_prefill(
+__global__ void __launch_bounds__(256, HD == 64 ? 2 : 1) attn_prefill(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ gate, long long sg_t, long long sg_h,
     const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, const int* __restrict__ block_tables,
     int bt_stride, const int* __restrict__ tiles, const int* __restrict__ positions, int nkv, int G, int bs_shift,
-    float scale_log2, bf16_t* __restrict__ out)
+    float scale_log2, bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+    int* __restrict__ counters)
 {
     pdl_enter();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -52,6 +62,8 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     constexpr int WQ = 64 * HD * 2;     // bytes of one warpgroup's Q
     constexpr int KVB = PF_KEYS * HD * 2;  // bytes of one K or V block
     extern __shared__ __align__(16) unsigned char pf_smem[];
+    static_assert(PF_ROWS * (HD + 8) * 4 + PF_MAX_PARTS * PF_ROWS * 4 <= (PF_ROWS + 4 * PF_KEYS) * HD * 2,
+                  "the epilogue's staging and the merge weights fit in Q's and the K/V stages' shared memory");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, w4 = warp & 3;  // warpgroup; the warp's 16-row slice of it
@@ -59,8 +71,10 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     const unsigned sQ = s0, sKV = s0 + 2 * WQ;                 // Q of both warpgroups, then the K/V stages
 
     const int kvh = blockIdx.x;
-    const int4 tl = reinterpret_cast<const int4*>(tiles)[blockIdx.y];
+    const int4 tl = reinterpret_cast<const int4*>(tiles)[2 * blockIdx.y];
+    const int4 sp = reinterpret_cast<const int4*>(tiles)[2 * blockIdx.y + 1];
     const int b = tl.x, r0 = tl.y, t0 = tl.z, n = tl.w;
+    const int kb0 = sp.x, nblocks = sp.y - sp.x;  // this part's key blocks (a whole tile: all of them)
     if (n == 0) return;  // an empty tile: a mixed step's graph pads its tile list with them (gpu/mixed_layout.py)
     const int nh = nkv * G;
     const int base = positions[t0];
@@ -68,7 +82,6 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     const int nrows = min(PF_ROWS, rows_end - r0);
     const int n_keys = base + (r0 + nrows - 1) / G + 1;  // keys 0 .. position of the tile's last token
     const int min_lim = base + r0 / G;                   // keys <= this need no mask for any row
-    const int nblocks = (n_keys + PF_KEYS - 1) / PF_KEYS;
     const int* table = block_tables + (long long)b * bt_stride;
 
     // ---- Q tile (rows past the sequence's end are zero) and the first K block
@@ -106,7 +119,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
                        ok ? 16 : 0);
         }
     };
-    copy_block(kbase, sKV, 0);
+    copy_block(kbase, sKV, kb0);
     cp_async_commit();
 
     // mma C fragment rows of this thread: g8 and g8 + 8 of the warp's 16; columns 2 * (lane & 3) + {0, 1}
@@ -130,6 +143,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     // each: at the top of block kb, K(kb) and V(kb-1) have landed and every warpgroup is done with K(kb-1)
     // and V(kb-2), whose stages then receive K(kb+1) and V(kb). Stage s: K at sKV + s KVB, V at
     // sKV + (2 + s) KVB. (One loop body for every block: ptxas serializes wgmma whose groups differ by path.)
+    // kb counts the part's blocks; its keys start at block kb0 + kb.
     auto top = [&]() {
         cp_async_wait<0>();
         // cp.async writes -> wgmma reads. A MEMBAR: it waits for every load in flight, so the loads of the
@@ -139,8 +153,8 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     };
     // issued after the block's wgmma: the warps' page-table reads then wait under the tensor cores' work
     auto load = [&](int kb) {
-        if (kb + 1 < nblocks) copy_block(kbase, sKV + ((kb + 1) & 1) * KVB, kb + 1);
-        if (kb < nblocks) copy_block(vbase, sKV + (2 + (kb & 1)) * KVB, kb);
+        if (kb + 1 < nblocks) copy_block(kbase, sKV + ((kb + 1) & 1) * KVB, kb0 + kb + 1);
+        if (kb < nblocks) copy_block(vbase, sKV + (2 + (kb & 1)) * KVB, kb0 + kb);
         cp_async_commit();
     };
     auto issue_s = [&](float (&s)[32], int kb) {  // S = Q K^T: 64 rows x 64 keys per warpgroup
@@ -164,7 +178,7 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     auto softmax = [&](float (&s)[32], int kb, float (&corr)[2]) {
         // causal / prefix mask (also hides the zero-filled keys past n_keys); s[4j + e]: row g8 + 8 (e >> 1),
         // key 8j + c2 + (e & 1)
-        const int k0 = kb * PF_KEYS;
+        const int k0 = (kb0 + kb) * PF_KEYS;
         if (k0 + PF_KEYS - 1 > min_lim) {
 #pragma unroll
             for (int j = 0; j < 8; ++j)
@@ -242,22 +256,86 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
     hold_o();
     __syncthreads();  // the staging below overlays the V stages the other warpgroup's last P V may still read
 
-    // ---- normalise; O staged in f32 for the epilogue (row stride HD + 8 floats: the float2 accesses are
-    // conflict free)
+    // ---- O / l staged in f32 for the epilogue (row stride HD + 8 floats: the float2 accesses are conflict
+    // free); a split part's O goes to its workspace slot first, and the group's last part stages the merge
     constexpr int OS = HD + 8;
     float* so = reinterpret_cast<float*>(pf_smem + (s0 - smem_addr(pf_smem)));
+    const int first = sp.z;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
         l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 2);
-        const float inv = 1.0f / l_r[i];  // key 0 is visible to every row: l > 0
-        float* dst = so + (wg * 64 + w4 * 16 + g8 + 8 * i) * OS + c2;
+    }
+    if (first < 0) {
 #pragma unroll
-        for (int d = 0; d < NB; ++d)
+        for (int i = 0; i < 2; ++i) {
+            const float inv = 1.0f / l_r[i];  // key 0 is visible to every row: l > 0
+            float* dst = so + (wg * 64 + w4 * 16 + g8 + 8 * i) * OS + c2;
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                *reinterpret_cast<float2*>(dst + 64 * d + 8 * j) =
-                    make_float2(o[d][4 * j + 2 * i] * inv, o[d][4 * j + 2 * i + 1] * inv);
+            for (int d = 0; d < NB; ++d)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    *reinterpret_cast<float2*>(dst + 64 * d + 8 * j) =
+                        make_float2(o[d][4 * j + 2 * i] * inv, o[d][4 * j + 2 * i + 1] * inv);
+        }
+    } else {
+        const int parts = sp.w & 0xFFFF, p = sp.w >> 16;
+        const long long slot = (long long)(first + p) * nkv + kvh, slot0 = (long long)first * nkv + kvh;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = wg * 64 + w4 * 16 + g8 + 8 * i;
+            if (row >= nrows) continue;
+            float* dst = part_o + (slot * PF_ROWS + row) * HD + c2;
+#pragma unroll
+            for (int d = 0; d < NB; ++d)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    *reinterpret_cast<float2*>(dst + 64 * d + 8 * j) =
+                        make_float2(o[d][4 * j + 2 * i], o[d][4 * j + 2 * i + 1]);
+            if ((lane & 3) == 0)
+                *reinterpret_cast<float2*>(part_ml + (slot * PF_ROWS + row) * 2) = make_float2(m_r[i], l_r[i]);
+        }
+        __shared__ int last;
+        __threadfence();  // this part's writes, then its arrival
+        __syncthreads();
+        if (tid == 0) {
+            last = atomicAdd(counters + slot0, 1) == parts - 1;
+            if (last) counters[slot0] = 0;  // every part has arrived: zero for the next launch
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        // row weights: part q's O counts exp2((m_q - M) scale) over the sum of that times l_q (M: the row's max
+        // over the parts; key 0, in part 0, is visible to every row, so M is finite)
+        const long long pstride = (long long)nkv * PF_ROWS;  // workspace rows from one part's slot to the next
+        float* wgt = so + PF_ROWS * OS;
+        if (tid < nrows) {
+            const float* ml = part_ml + (slot0 * PF_ROWS + tid) * 2;
+            float m = NEG_INF, l = 0.0f;
+            for (int q = 0; q < parts; ++q) m = fmaxf(m, __ldcg(ml + q * pstride * 2));
+            const float ms = m * scale_log2;
+            for (int q = 0; q < parts; ++q) {
+                const float2 v = __ldcg(reinterpret_cast<const float2*>(ml + q * pstride * 2));
+                const float w = exp2f(fmaf(v.x, scale_log2, -ms));
+                wgt[q * PF_ROWS + tid] = w;
+                l = fmaf(v.y, w, l);
+            }
+            const float inv = 1.0f / l;
+            for (int q = 0; q < parts; ++q) wgt[q * PF_ROWS + tid] *= inv;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < nrows * (HD / 4); idx += 256) {
+            const int row = idx / (HD / 4), c = (idx % (HD / 4)) * 4;
+            const float4* src = reinterpret_cast<const float4*>(part_o + (slot0 * PF_ROWS + row) * HD + c);
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int q = 0; q < parts; ++q) {
+                const float w = wgt[q * PF_ROWS + row];
+                const float4 v = __ldcg(src + q * pstride * (HD / 4));
+                acc.x = fmaf(w, v.x, acc.x), acc.y = fmaf(w, v.y, acc.y);
+                acc.z = fmaf(w, v.z, acc.z), acc.w = fmaf(w, v.w, acc.w);
+            }
+            *reinterpret_cast<float4*>(so + row * OS + c) = acc;
+        }
     }
     __syncthreads();
 #pragma unroll 4
@@ -288,6 +366,6 @@ __global__ void __launch_bounds__(256, 1) attn_prefill(
 #define PF_INST(HD)                                                                                         \
     template __global__ void attn_prefill<HD>(const bf16_t*, const bf16_t*, long long, long long,          \
                                               const bf16_t*, const bf16_t*, const int*, int, const int*,  \
-                                              const int*, int, int, int, float, bf16_t*);
+                                              const int*, int, int, int, float, bf16_t*, float*, float*, int*);
 PF_INST(64) PF_INST(128) PF_INST(256)
 #endif

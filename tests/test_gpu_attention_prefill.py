@@ -57,7 +57,8 @@ DIMS = [(16, 4, 256), (24, 4, 256), (8, 2, 256), (12, 2, 256), (8, 2, 128), (4, 
 DIM_IDS = ["G4-nkv4-4b", "G6-nkv4-27b", "G4-nkv2", "G6-nkv2", "G4-hd128", "G2-hd64-tiny", "G3-hd64-tiny3"]
 
 
-def _check(be, lens, bases, nh, nkv, hd, bs=16, seed=0):
+def _check(be, lens, bases, nh, nkv, hd, bs=16, seed=0, split=None):
+    """split: whether attn_prefill must have split some tile's keys into parts (None: either)."""
     rng = np.random.default_rng(seed + sum(lens) + 7 * nh + hd + bs)
     step, nb = make_step(rng, lens, bases, bs)
     T = sum(lens)
@@ -71,6 +72,8 @@ def _check(be, lens, bases, nh, nkv, hd, bs=16, seed=0):
     gate = cupy.ndarray((T, nh, hd), cupy.uint16, qg.dev.data + hd * 2, strides=(sqg * 2, 2 * hd * 2, 2))
     got = be.to_host(be.attention(q.dev, gate, kc.dev, vc.dev, m))
     assert m.prefill_tiles is not None and m.prefill_tiles[1] is not None, "prefill kernel not dispatched"
+    if split is not None:
+        assert bool((cupy.asnumpy(m.prefill_tiles[1])[:, 6] >= 0).any()) == split
     err = rel(got, want)
     rows = [float(np.abs(got[r] - want[r]).max()) for r in range(T)]
     assert err <= BF16_TOL, f"rel err {err:.3e}; worst row {int(np.argmax(rows))} of {T}"
@@ -90,28 +93,19 @@ def test_prefill_attention_many_tiles(be):
     _check(be, [2048], [2048], 16, 4, 256)
 
 
+# short chunks over long contexts: too few tiles to fill the GPU, so their keys split into parts (up to
+# PF_MAX_PARTS for the lone 5-token tile); a leading decode on attn_fwd beside them
+SPLIT_CASES = {"chunks-after-4000": ([1, 256, 40], [700, 4000, 1500]), "one-tile-12000": ([5], [12000])}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
+@pytest.mark.parametrize("nh,nkv,hd", [DIMS[0], DIMS[1], DIMS[5]], ids=[DIM_IDS[0], DIM_IDS[1], DIM_IDS[5]])
+def test_prefill_attention_split_keys(be, case, nh, nkv, hd):
+    lens, bases = SPLIT_CASES[case]
+    _check(be, lens, bases, nh, nkv, hd, split=True)
+    _check(CudaBackend(poison=True, batch_invariant=True), lens, bases, nh, nkv, hd, split=False)
+
+
 @pytest.mark.parametrize("bs", [8, 32, 64, 128])
 def test_prefill_attention_block_sizes(be, bs):
     _check(be, [15, 65, 130, 1], [17, 300, 0, 40], 16, 4, 256, bs=bs)
-
-
-def test_prefill_attention_tiles_cover_rows():
-    """The host work list: every (sequence, row) in exactly one tile, no tile straddles sequences,
-    heaviest first, leading decodes left to attn_fwd."""
-    from engine.gpu.prefill_tiles import PF_ROWS, prefill_tiles
-    lens, bases = [1, 1, 1000, 1, 65, 0, 3], [9, 40, 300, 7, 17, 5, 0]
-    step = Step.build([([0] * n, b0, i, [0] * ((b0 + n) // 16 + 1)) for i, (n, b0) in enumerate(zip(lens, bases))])
-    for G in (1, 2, 3, 4, 6, 8):
-        tiles, n_dec = prefill_tiles(step, G)
-        t = cupy.asnumpy(tiles)
-        assert n_dec == 2
-        cover = {}
-        for b, r0, t0, n in t:
-            assert t0 == step.cu_seqlens[b] and n == lens[b] and 0 <= r0 < n * G and r0 % PF_ROWS == 0
-            cover.setdefault(int(b), []).append(int(r0))
-        for b in range(2, len(lens)):
-            want = list(range(0, lens[b] * G, PF_ROWS))
-            assert sorted(cover.get(b, [])) == want, (G, b)
-        keys = [bases[b] + (min(r0 + PF_ROWS, n * G) - 1) // G + 1 for b, r0, _, n in t]
-        assert keys == sorted(keys, reverse=True)
-    assert prefill_tiles(Step.build([([0], 5, 0, [0]), ([0], 0, 1, [1])]), 4) == (None, 2)

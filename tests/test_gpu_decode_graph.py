@@ -64,10 +64,13 @@ class World:
     """n sequences prefilled eagerly in random non-contiguous slots and pages; spare slot and pages
     nobody owns are filled with a pattern, the dummy slot and page with garbage."""
 
-    def __init__(self, model, n, steps, seed, spec_logs=0, spec_tokens=0):
+    def __init__(self, model, n, steps, seed, spec_logs=0, spec_tokens=0, long=()):
+        """long: {sequence: prompt length} overriding the random 1..39 tokens."""
         rng = np.random.default_rng(seed)
         self.model, self.rng = model, rng
         self.lens = [int(x) for x in rng.integers(1, 40, n)]
+        for i, L in dict(long).items():
+            self.lens[i] = L
         need = [-(-(L + steps) // BS) for L in self.lens]
         self.num_slots = n + 2                                 # dummy + n + one spare
         self.num_blocks = 1 + sum(need) + 3                    # dummy + owned + spares
@@ -270,16 +273,18 @@ def test_graph_verify_bit_exact(request, preset):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny3"])
-def test_graph_small_mixed_steps(request, preset):
+@pytest.mark.parametrize("ctx", ["short", "long"])
+def test_graph_small_mixed_steps(request, preset, ctx):
     """Small mixed steps (decodes, then a few prompt chunks within mixed_cap tokens) replay their decode bucket's
     mixed graph: logits and every state equal eager execution of the padded layout bit for bit, agree with the
     unpadded eager forward up to bf16 rounding, and the padding (decode rows, empty chunk sequences, the filler)
     writes only the dummy slot and page. Steps cover buckets 1 (no decodes), 4 and 8, one to three chunks, a
-    one-token chunk, sampled and unsampled chunk ends, and fed decode tokens."""
+    one-token chunk, sampled and unsampled chunk ends, and fed decode tokens. ctx "long": the chunks continue
+    1100-2000-token prompts, so attn_prefill splits their tiles' keys into parts (in the graph too)."""
     from engine.gpu.decode_graph import MIXED
     model = _model(request, preset)
     n, cap = 8, 100
-    w = World(model, n, 160, seed=21 + len(preset))
+    w = World(model, n, 160, seed=21 + len(preset), long={5: 1100, 6: 1500, 7: 2000} if ctx == "long" else ())
     eager_c, plain_c = copy_cache(w.cache), copy_cache(w.cache)
     before = host(w.cache)
     graphs = DecodeGraphs(model, w.cache, max_num_seqs=8, dummy_slot=DUMMY_SLOT, dummy_block=DUMMY_BLOCK,
@@ -300,6 +305,8 @@ def test_graph_small_mixed_steps(request, preset):
                         feed=(np.arange(len(dec)), cupy.asarray(np.array([t[0] for t in toks[:len(dec)]], np.int32)))
                         if fed else None)
         assert graphs.kind(st) == MIXED
+        split = graphs.mixed.lay_out(st, graphs.bucket_for(len(dec)))[1][:, 6] >= 0
+        assert split.any() == (ctx == "long"), "attn_prefill's key split: in every long step, in no short one"
         got = cupy.asnumpy(graphs.run(st))
         want = cupy.asnumpy(graphs.eager(st, eager_c))
         plain = cupy.asnumpy(model.forward(st, plain_c))

@@ -54,7 +54,7 @@ def test_padded_mixed_step_computes_the_step(model):
     pstep, tiles = lay.lay_out(step, 4)
     T, B = 4 + lay.cap, 4 + MIXED_SEQS + 1
     assert len(pstep.tokens) == T and pstep.num_seqs == B and len(pstep.logits_rows) == 4 + MIXED_SEQS
-    assert tiles.shape == (lay.num_tiles, 4) and (tiles[:, 3] > 0).sum() >= 2
+    assert tiles.shape == (lay.num_tiles, 8) and (tiles[:, 3] > 0).sum() >= 2
     assert set(pstep.slots[[3] + list(range(6, B))]) == {DUMMY}  # the padding decode row, empty chunks, filler
 
     before = _copy(cache)

@@ -30,7 +30,7 @@ from ..step import Step
 from . import kernels
 from .gemm import gemm, get_gemm
 from .gemv_plan import GEMV_MAX_M, GEMV_MAX_M_INVARIANT, gemv_nw, gemv_plan
-from .prefill_tiles import PF_ROWS, leading_singles, prefill_tiles
+from .prefill_tiles import PF_KEYS, PF_ROWS, leading_singles, prefill_tiles
 
 LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): the vocabulary
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
@@ -41,7 +41,6 @@ ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # a
 # attn_combine's launch: a block per (row, ATTN_COMBINE_DIMS dims), of ATTN_COMBINE_THREADS threads
 ATTN_COMBINE_DIMS = kernels.define("attention.cu", "ATTN_COMBINE_DIMS")
 ATTN_COMBINE_THREADS = kernels.define("attention.cu", "ATTN_COMBINE_THREADS")
-PF_KEYS = kernels.define("attention_prefill.cu", "PF_KEYS")  # attn_prefill's keys per K/V stage
 GI_BM, GI_BN = kernels.define("gemv.cu", "GI_BM"), kernels.define("gemv.cu", "GI_BN")  # gemm_inv: x rows x W rows
 # Batch-invariant decode attention: keys per split, fixed (the default split follows the batch size and
 # the longest context, so a row's partial sums would change with its neighbours)
@@ -56,6 +55,11 @@ GEMV_MAX_GROUPS, RMS_MAX_VEC = kernels.define("gemv.cu", "GEMV_MAX_GROUPS"), ker
 ARGMAX_SPLIT_ROWS, ARGMAX_CHUNK = kernels.define("argmax.cu", "ARGMAX_SPLIT_ROWS"), kernels.define("argmax.cu", "ARGMAX_CHUNK")
 ARGMAX_THREADS = kernels.define("argmax.cu", "ARGMAX_THREADS")
 CONV_THREADS = kernels.define("conv1d.cu", "CONV_THREADS")  # conv1d_fwd's block, 8 channels a thread
+
+
+def _pf_smem(hd: int) -> int:
+    """attn_prefill's dynamic shared memory: Q, two stages of K and V, 1024-byte alignment."""
+    return (PF_ROWS + 4 * PF_KEYS) * hd * 2 + 1024
 
 
 def _log_args(log, meta, entry: tuple, dtype) -> tuple:
@@ -98,7 +102,7 @@ class Meta:
     spec: bool = False  # some sequence verifies or replays (a log set)
     n_dec: int = 0    # leading single-token sequences (decodes come first): the decode kernels take them
     n_rec: int = 0    # leading decodes and verifies (verifies come next): the GDN token recurrence takes them
-    # attention()'s prefill work list for this step, built on first use: (G, tiles [n, 4] int32 or None,
+    # attention()'s prefill work list for this step, built on first use: ((G, wave), tiles [n, 8] int32 or None,
     # number of leading rows on attn_fwd: the decodes' and verifies')
     prefill_tiles: tuple | None = None
     # delta_rule()'s chunked-form sequences, views from n_rec on (cu_seqlens, slots, save_at, save_rows), made by
@@ -127,6 +131,8 @@ class CudaBackend:
         # as every kernel runs on the one current stream, in order
         self._gemv_count = cupy.zeros(1, cupy.uint32)
         self._argmax_count = cupy.zeros(ARGMAX_SPLIT_ROWS, cupy.uint32)  # argmax_finite's, per split row; likewise
+        # attn_prefill's wave and split-key workspace per (hd, nkv): prefill_wave()
+        self._pf_parts: dict[tuple, tuple] = {}
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
         get_gemm()
@@ -611,18 +617,20 @@ class CudaBackend:
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
         if (causal and not window and meta.max_new > 1 and self.kernels.arch == kernels.SM90A
                 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0):
-            if meta.prefill_tiles is None or meta.prefill_tiles[0] != G:
-                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec)
-                meta.prefill_tiles = (G, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
+            key = (G, self.prefill_wave(hd, nkv))  # the parts' workspace slots are the wave's of (hd, nkv)
+            if meta.prefill_tiles is None or meta.prefill_tiles[0] != key:
+                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec, key[1])
+                meta.prefill_tiles = (key, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec
-                smem = (PF_ROWS + 4 * PF_KEYS) * hd * 2 + 1024  # Q, two stages of K and V, 1024-byte alignment
-                self._fn("attention_prefill.cu", f"attn_prefill<{hd}>", smem)(
+                _, part_o, part_ml, counters = self._pf_parts.get((hd, nkv), (0, NULL, NULL, NULL))  # (none: no split)
+                self._fn("attention_prefill.cu", f"attn_prefill<{hd}>", _pf_smem(hd))(
                     (nkv, tiles.shape[0]), (256,),
                     (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
-                     i32(nkv), i32(G), i32(bs.bit_length() - 1), f32(hd ** -0.5 * np.log2(np.e)), out),
-                    shared_mem=smem)
+                     i32(nkv), i32(G), i32(bs.bit_length() - 1), f32(hd ** -0.5 * np.log2(np.e)), out,
+                     part_o, part_ml, counters),
+                    shared_mem=_pf_smem(hd))
         if not n_dec:
             return out
         chunk, nsplit = self._attn_split(meta, hd, G, nkv, n_dec)
@@ -641,6 +649,21 @@ class CudaBackend:
                                                 (part_acc, part_ml, gate, i64(sg_t), i64(sg_h), out, i32(nh), i32(hd),
                                                  i32(nsplit)))
         return out
+
+    def prefill_wave(self, hd: int, nkv: int) -> int:
+        """attn_prefill's tiles per KV head that run at once (prefill_tiles splits the keys of fewer tiles
+        into parts up to that many; 0 in batch-invariant mode: a tile's split would follow the rest of the
+        step). Makes the parts' workspace on first use: an eager call, before any graph capture."""
+        if self.batch_invariant or self.kernels.arch != kernels.SM90A or hd not in kernels.PREFILL_HD:
+            return 0
+        got = self._pf_parts.get((hd, nkv))
+        if got is None:  # (attention() asks every layer: computed once)
+            wave = self.num_sms * self.kernels.resident("attention_prefill.cu", f"attn_prefill<{hd}>", 256,
+                                                        _pf_smem(hd)) // nkv
+            slots = wave * nkv
+            got = self._pf_parts[hd, nkv] = (wave, cupy.empty((slots, PF_ROWS, hd), cupy.float32),
+                                             cupy.empty((slots, PF_ROWS, 2), cupy.float32), cupy.zeros(slots, cupy.int32))
+        return got[0]
 
     def _attn_split(self, meta: Meta, hd: int, G: int, nkv: int, n_dec: int):
         """attn_fwd's key split for the step's first n_dec rows: (keys per split, or 0 for even splits; number

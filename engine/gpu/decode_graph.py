@@ -80,7 +80,7 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 def _tiles_at(n: int) -> int:
     """Where a mixed graph's tile list starts after n int32 of metadata: 16-byte aligned (attn_prefill reads
-    a tile as one int4)."""
+    a tile as two int4)."""
     return -(-n // 4) * 4
 
 
@@ -138,8 +138,10 @@ class DecodeGraphs:
         self.verify_k, self.dummy_spec_log, self.keep = verify_k, dummy_spec_log, capture
         if mixed_cap and capture is not None:
             raise ValueError("mixed steps' graphs keep no capture (their rows are padded within the step)")
+        cfg = model.cfg
         self.mixed = (MixedLayout(int(mixed_cap), self.max_num_seqs, self.max_ctx, self.max_blocks_per_seq,
-                                  self.dummy_slot, self.dummy_block, model.cfg.num_heads // model.cfg.num_kv_heads)
+                                  self.dummy_slot, self.dummy_block, cfg.num_heads // cfg.num_kv_heads,
+                                  self.ops.prefill_wave(cfg.head_dim, cfg.num_kv_heads))
                       if mixed_cap else None)
         if capture_now:
             self.capture_all()
@@ -252,7 +254,7 @@ class DecodeGraphs:
                 dev.set(tiles)
             meta.n_dec = meta.n_rec = P  # (a one-token chunk is a chunk here: the filler could be one)
             meta.max_new = self.mixed.cap
-            meta.prefill_tiles = (self.mixed.group, dev, P)
+            meta.prefill_tiles = ((self.mixed.group, self.mixed.wave), dev, P)
         return meta
 
     def capture(self, bucket: int, k: int = 0) -> _Captured:

@@ -252,12 +252,13 @@ class Kernels:
             _opted_in[k.ptr] = smem
         return k
 
-    def resident(self, file: str, name: str, threads: int) -> int:
-        """How many blocks of `threads` threads (no dynamic shared memory) of kernel `name` one SM holds."""
-        n = self._resident.get((file, name, threads))
+    def resident(self, file: str, name: str, threads: int, smem: int = 0) -> int:
+        """How many blocks of `threads` threads and `smem` bytes of dynamic shared memory of kernel `name` one
+        SM holds."""
+        n = self._resident.get((file, name, threads, smem))
         if n is None:
             import cupy
-            n = self._resident[(file, name, threads)] = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                self.fn(file, name).ptr, threads, 0)
+            n = self._resident[(file, name, threads, smem)] = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.fn(file, name, smem).ptr, threads, smem)
         return n
 

@@ -32,6 +32,7 @@ class MixedLayout:
     dummy_slot: int
     dummy_block: int
     group: int         # query heads per KV head (attn_prefill's tiles)
+    wave: int = 0      # attn_prefill's tiles per KV head at once (prefill_tiles splits the keys of fewer)
 
     def __post_init__(self):
         if self.cap <= MIXED_SEQS:  # more tokens than logits rows, or model.py would take every row as sampled
@@ -41,8 +42,9 @@ class MixedLayout:
 
     @property
     def num_tiles(self) -> int:
-        """attn_prefill's tiles of any mixed step: sum over its sequences of ceil(len * G / PF_ROWS) <= this."""
-        return -(-self.cap * self.group // PF_ROWS) + MIXED_SEQS + 1
+        """attn_prefill's tiles of any mixed step: sum over its sequences of ceil(len * G / PF_ROWS), plus the
+        parts of split tiles (at most a wave more), <= this."""
+        return -(-self.cap * self.group // PF_ROWS) + MIXED_SEQS + 1 + self.wave
 
     def fits(self, step: Step) -> bool:
         """A small mixed step: leading decodes, every one sampled (a one-token chunk right after them counts as
@@ -64,7 +66,7 @@ class MixedLayout:
 
     def lay_out(self, step: Step | None, P: int) -> tuple[Step, np.ndarray]:
         """The step (None: none, all padding) laid out as the graph of decode bucket P holds it, and attn_prefill's
-        tile list for it [num_tiles, 4], padded with empty tiles (n = 0)."""
+        tile list for it [num_tiles, 8], padded with empty tiles (n = 0)."""
         S, cap, W = MIXED_SEQS, self.cap, self.width
         T, B = P + cap, P + S + 1
         tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
@@ -98,8 +100,8 @@ class MixedLayout:
         pstep = Step(tokens=tokens, positions=positions, cu_seqlens=cu, slots=slots, block_tables=tables,
                      seq_lens=seq_lens, logits_rows=rows, feed=None if step is None else step.feed,
                      save_at=save_at, save_rows=save_rows)
-        tiles = np.zeros((self.num_tiles, 4), np.int32)
-        t, _ = prefill_tiles(pstep, self.group, P)
+        tiles = np.zeros((self.num_tiles, 8), np.int32)
+        t, _ = prefill_tiles(pstep, self.group, P, self.wave)
         if t is not None:
             tiles[:len(t)] = t
         return pstep, tiles
