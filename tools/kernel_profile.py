@@ -1,7 +1,8 @@
-"""Where a forward's device time goes, kernel by kernel: an eager prefill of one sequence of L tokens, an eager
-mixed step (D decode rows beside one prompt chunk of P tokens, as chunked prefill runs under decode load), a
-CUDA-graph decode step of B sequences and, with --verify-k K, the graph of B speculative verifies of K drafts
-each (what a verify pays over a decode), on the 4b shapes with random weights (bench_decode.random_model).
+"""Where a forward's device time goes, kernel by kernel: an eager prefill of one sequence of L tokens (or of N
+of them in one step, --prefill-seqs N: an admission wave's prefill), an eager mixed step (D decode rows beside
+one prompt chunk of P tokens, as chunked prefill runs under decode load), a CUDA-graph decode step of B
+sequences and, with --verify-k K, the graph of B speculative verifies of K drafts each (what a verify pays over
+a decode), on the 4b shapes with random weights (bench_decode.random_model).
 
 Per scenario: each kernel's calls and device microseconds per forward (CUPTI activity records through
 torch.profiler, which only this tool needs; the GPU machine has torch), its share of the kernels' total,
@@ -10,7 +11,7 @@ that nears the device's, the forward waits on the host). Kernels run without pro
 dependent launch (QWEN35_PDL=0, set here): with it each kernel's span would include its wait for the one
 before. Writes JSON ($OUT/kernel_profile.json when OUT is set).
 
-  python3 tools/kernel_profile.py [--prefill 1024,8192] [--mixed 64,256 --mixed-decodes 16]
+  python3 tools/kernel_profile.py [--prefill 1024,8192] [--prefill-seqs 1] [--mixed 64,256 --mixed-decodes 16]
       [--decode-batches 1,16,64] [--verify-k 3] [--ctx 1024] [--max-model-len 8464] [--reps 5] [--top 25] [--json PATH]
 """
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="4b")
     ap.add_argument("--prefill", default="1024,8192", help="prompt lengths (one sequence each); '' for none")
+    ap.add_argument("--prefill-seqs", type=int, default=1,
+                    help="prompts of each --prefill length in one step (an admission wave's prefill)")
     ap.add_argument("--mixed", default="", help="prompt chunk lengths of eager mixed steps; '' (default) for none")
     ap.add_argument("--mixed-decodes", type=int, default=16, help="decode rows of each mixed step")
     ap.add_argument("--decode-batches", default="1,16,64", help="decode graph batch sizes; '' for none")
@@ -99,8 +102,9 @@ def main(argv=None) -> None:
     K = a.verify_k
     need = -(-(a.ctx + 1 + K) // BS)
     pre = -(-max(lengths + mixed, default=0) // BS)
+    n_pre = max(1, a.prefill_seqs)
     # slot 0 / page 0: the graphs' dummies; log sets 0..nmax - 1 the verifies', nmax the padding's
-    cache = model.alloc_cache(nmax + 2, 1 + nmax * need + pre, BS, nmax + 1 if K else 0, K)
+    cache = model.alloc_cache(nmax + 1 + n_pre, 1 + nmax * need + n_pre * pre, BS, nmax + 1 if K else 0, K)
     rng = np.random.default_rng(0)
     out = []
 
@@ -111,9 +115,9 @@ def main(argv=None) -> None:
         host = host_per_call(fwd, model.ops, a.reps) * 1e3
         out.append(report(label, profile(fwd, a.reps), wall, host, a.top))
 
-    def prompt(P):  # P prompt tokens in slot nmax + 1, on the pages after the decode sequences'
-        first = 1 + nmax * need
-        return list(rng.integers(0, 248000, P)), 0, nmax + 1, list(range(first, first + -(-P // BS)))
+    def prompt(P, j=0):  # P prompt tokens in slot nmax + 1 + j, on pages after the decode sequences'
+        first = 1 + nmax * need + j * pre
+        return list(rng.integers(0, 248000, P)), 0, nmax + 1 + j, list(range(first, first + -(-P // BS)))
 
     def decodes(B, n=1):  # B sequences with n new tokens at position ctx in slots 1..B; the KV's values do not matter
         return [(rng.integers(0, 248000, n).tolist(), a.ctx, i + 1, list(range(1 + i * need, 1 + (i + 1) * need)))
@@ -127,7 +131,8 @@ def main(argv=None) -> None:
         out.append(report(label, profile(run, a.reps * 4), wall, host, a.top))
 
     for L in lengths:
-        eager(f"prefill {L} tokens", [prompt(L)])
+        eager(f"prefill {L} tokens" if n_pre == 1 else f"prefill {n_pre} x {L} tokens",
+              [prompt(L, j) for j in range(n_pre)])
     for P in mixed:  # the decode rows first, as the scheduler orders them
         eager(f"mixed step: {a.mixed_decodes} decodes (ctx {a.ctx}) + {P} prompt tokens",
               decodes(a.mixed_decodes) + [prompt(P)])
