@@ -1,0 +1,34 @@
+#!/bin/bash
+# The next device call (written in session 30, not run). carry [".wheels"], LIMIT = the seconds the call may
+# take. In order: issue 19's c1 cell (H200 only, 3 repetitions); the mixed-load gate's six cells at cap 256 with
+# the split prefill attention (H200 only: session 28's table is an H200's); then whether the wgmma state pass
+# (gdn-wg.patch, not on main) wins when a step prefills several sequences (an admission wave: 8 x 1024 tokens),
+# against main, by CUPTI; then ncu on gdn_chunk_prep at 8192 tokens.
+. tools/device_call.sh
+case "$GPU" in *H200*)
+  for rep in 1 2 3; do
+    [ $SECONDS -lt $((LIMIT - 75)) ] || break
+    timeout 75 python3 tools/bench_spec.py /tmp/m4b --sections b --concurrency 1 --oracle-p 1,0.8 --k 3 \
+      --json $OUT/c1-h200-$rep.json > $OUT/c1-$rep.txt 2>&1; grep "^(b/c)\|Target\|rror" $OUT/c1-$rep.txt | tail -6
+  done
+  [ $SECONDS -lt $((LIMIT - 200)) ] && timeout 190 python3 tools/bench_mixed.py --launch /tmp/m4b --label cap256-split-h200 \
+    --inject-lens 4096,8192,16384 --qps 0.5,1 --duration 6 --baseline-s 2 --cooldown 1 --out-dir $OUT \
+    --server-args "--max-model-len 16400 --max-num-seqs 16 --max-num-batched-tokens 8192 --prefill-budget-with-decodes 256" \
+    2>&1 | grep -E "^\| cap|gate:|FAIL" | tail -8;;
+esac
+rm -rf /tmp/wg && mkdir /tmp/wg && tar --exclude=./.git --exclude=./.wheels -cf - . | tar -xf - -C /tmp/wg
+(cd /tmp/wg && patch -p1 -s < docs/benchmarks/session30-h100/gdn-wg.patch) || echo PATCH FAILED
+prof() {  # label, tree
+  [ $SECONDS -lt $((LIMIT - 80)) ] || { echo "$1: skipped (time)"; return; }
+  (cd $2 && PYTHONPATH=$OLDPWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-$1 timeout 120 python3 tools/kernel_profile.py \
+    --prefill 1024 --prefill-seqs 8 --decode-batches "" --json $OUT/profile-8x1024-$1.json 2>&1 \
+    | grep -E "^prefill|gdn_chunk" | sed "s/^/$1 /")
+}
+prof main . ; prof wg /tmp/wg
+(cd /tmp/wg && export PYTHONPATH=$PWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-wg && t gdn-wg tests/test_gpu_kernels.py -k "delta or state_saves")
+[ $SECONDS -lt $((LIMIT - 60)) ] && timeout $((LIMIT - SECONDS - 10)) ncu --clock-control none -k regex:gdn_chunk_prep \
+  --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+  --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_kernels as bk
+bk.prefill_times([8192], reps=1)" > $OUT/ncu-prep-8192.txt 2>&1; grep -E "Duration|Issued Warp|Eligible Warps|DRAM Throughput" $OUT/ncu-prep-8192.txt | head -6
+(cd $OUT && tar -czf texts.tgz $(ls | grep -v "\.json$") 2>/dev/null && find . -type f ! -name "*.json" ! -name texts.tgz -delete)
+echo t=$SECONDS
