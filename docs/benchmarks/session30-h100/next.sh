@@ -5,12 +5,8 @@
 # (gdn-wg.patch, not on main) wins when a step prefills several sequences (an admission wave: 8 x 1024 tokens),
 # against main, by CUPTI; then ncu on gdn_chunk_prep at 8192 tokens.
 . tools/device_call.sh
+c1_cell
 case "$GPU" in *H200*)
-  for rep in 1 2 3; do
-    [ $SECONDS -lt $((LIMIT - 75)) ] || break
-    timeout 75 python3 tools/bench_spec.py /tmp/m4b --sections b --concurrency 1 --oracle-p 1,0.8 --k 3 \
-      --json $OUT/c1-h200-$rep.json > $OUT/c1-$rep.txt 2>&1; grep "^(b/c)\|Target\|rror" $OUT/c1-$rep.txt | tail -6
-  done
   [ $SECONDS -lt $((LIMIT - 200)) ] && timeout 190 python3 tools/bench_mixed.py --launch /tmp/m4b --label cap256-split-h200 \
     --inject-lens 4096,8192,16384 --qps 0.5,1 --duration 6 --baseline-s 2 --cooldown 1 --out-dir $OUT \
     --server-args "--max-model-len 16400 --max-num-seqs 16 --max-num-batched-tokens 8192 --prefill-budget-with-decodes 256" \
