@@ -3,7 +3,8 @@
 # take. In order: issue 19's c1 cell (H200 only, 3 repetitions); the mixed-load gate's six cells at cap 256 with
 # the split prefill attention (H200 only: session 28's table is an H200's); then whether the wgmma state pass
 # (gdn-wg.patch, not on main) wins when a step prefills several sequences (an admission wave: 8 x 1024 tokens),
-# against main, by CUPTI; then ncu on gdn_chunk_prep at 8192 tokens.
+# against main, by CUPTI; then ncu on gdn_chunk_prep and conv1d_fwd at 8192 tokens (both ~2-3x over their
+# bytes: what bounds them is not known).
 . tools/device_call.sh
 c1_cell
 case "$GPU" in *H200*)
@@ -26,5 +27,9 @@ prof main . ; prof wg /tmp/wg
   --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_kernels as bk
 bk.prefill_times([8192], reps=1)" > $OUT/ncu-prep-8192.txt 2>&1; grep -E "Duration|Issued Warp|Eligible Warps|DRAM Throughput" $OUT/ncu-prep-8192.txt | head -6
+[ $SECONDS -lt $((LIMIT - 45)) ] && timeout $((LIMIT - SECONDS - 10)) ncu --clock-control none -k regex:conv1d_fwd \
+  --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+  --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_kernels as bk
+bk.prefill_times([8192], reps=1)" > $OUT/ncu-conv-8192.txt 2>&1; grep -E "Duration|Issued Warp|Eligible Warps|DRAM Throughput" $OUT/ncu-conv-8192.txt | head -6
 (cd $OUT && tar -czf texts.tgz $(ls | grep -v "\.json$") 2>/dev/null && find . -type f ! -name "*.json" ! -name texts.tgz -delete)
 echo t=$SECONDS
