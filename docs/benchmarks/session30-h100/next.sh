@@ -3,7 +3,8 @@
 # take. In order: issue 19's c1 cell (H200 only, 3 repetitions); the mixed-load gate's six cells at cap 256 with
 # the split prefill attention (H200 only: session 28's table is an H200's); then whether the wgmma state pass
 # (gdn-wg.patch, not on main) wins when a step prefills several sequences (an admission wave: 8 x 1024 tokens),
-# against main, by CUPTI; then ncu on gdn_chunk_prep and conv1d_fwd at 8192 tokens (both ~2-3x over their
+# against main, by CUPTI; a mixed step's kernels (8 decodes + a 256-token chunk: where its ~4 ms over the
+# decode step go); then ncu on gdn_chunk_prep and conv1d_fwd at 8192 tokens (both ~2-3x over their
 # bytes: what bounds them is not known).
 . tools/device_call.sh
 c1_cell
@@ -22,6 +23,8 @@ prof() {  # label, tree
     | grep -E "^prefill|gdn_chunk" | sed "s/^/$1 /")
 }
 prof main . ; prof wg /tmp/wg
+[ $SECONDS -lt $((LIMIT - 80)) ] && timeout 100 python3 tools/kernel_profile.py --prefill "" --mixed 256 --mixed-decodes 8 \
+  --decode-batches 8 --json $OUT/profile-mixed256.json 2>&1 | grep -E "^(mixed|decode)|gdn|conv|attn" | head -16
 (cd /tmp/wg && export PYTHONPATH=$PWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-wg && t gdn-wg tests/test_gpu_kernels.py -k "delta or state_saves")
 [ $SECONDS -lt $((LIMIT - 60)) ] && timeout $((LIMIT - SECONDS - 10)) ncu --clock-control none -k regex:gdn_chunk_prep \
   --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
