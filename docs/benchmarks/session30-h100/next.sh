@@ -5,7 +5,7 @@
 # (gdn-wg.patch, not on main) wins when a step prefills several sequences (an admission wave: 8 x 1024 tokens),
 # against main, by CUPTI; a mixed step's kernels (8 decodes + a 256-token chunk: where its ~4 ms over the
 # decode step go); then ncu on gdn_chunk_prep and conv1d_fwd at 8192 tokens (both ~2-3x over their
-# bytes: what bounds them is not known).
+# bytes: what bounds them is not known), and ncu's source counters on gdn_chunk_state_wg (where its chunk goes).
 . tools/device_call.sh
 c1_cell
 case "$GPU" in *H200*)
@@ -34,5 +34,10 @@ bk.prefill_times([8192], reps=1)" > $OUT/ncu-prep-8192.txt 2>&1; grep -E "Durati
   --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_kernels as bk
 bk.prefill_times([8192], reps=1)" > $OUT/ncu-conv-8192.txt 2>&1; grep -E "Duration|Issued Warp|Eligible Warps|DRAM Throughput" $OUT/ncu-conv-8192.txt | head -6
+[ $SECONDS -lt $((LIMIT - 60)) ] && (cd /tmp/wg && PYTHONPATH=$PWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-wg \
+  timeout $((LIMIT - SECONDS - 15)) ncu --clock-control none -k regex:gdn_chunk_state_wg --launch-count 1 \
+  --section SourceCounters --section WarpStateStats --page source --print-source sass --csv python3 -c "import sys
+sys.path.insert(0, 'tools'); import bench_kernels as bk; bk.prefill_times([1024], reps=1)" > $OUT/ncu-wg-src.csv 2>&1
+  python3 tools/ncu_top.py $OUT/ncu-wg-src.csv --lines 30 > $OUT/ncu-wg-top.txt 2>&1; head -20 $OUT/ncu-wg-top.txt)
 (cd $OUT && tar -czf texts.tgz $(ls | grep -v "\.json$") 2>/dev/null && find . -type f ! -name "*.json" ! -name texts.tgz -delete)
 echo t=$SECONDS
