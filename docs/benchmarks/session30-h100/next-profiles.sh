@@ -1,31 +1,23 @@
 #!/bin/bash
-# The next device call (written in session 30, not run). carry [".wheels"], LIMIT = the seconds the call may
-# take. In order: issue 19's c1 cell (H200 only, 3 repetitions); the mixed-load gate's six cells at cap 256 with
-# the split prefill attention (H200 only: session 28's table is an H200's); then whether the wgmma state pass
-# (gdn-wg.patch, not on main) wins when a step prefills several sequences (an admission wave: 8 x 1024 tokens),
-# against main, by CUPTI; a mixed step's kernels (8 decodes + a 256-token chunk: where its ~4 ms over the
-# decode step go); then ncu on gdn_chunk_prep and conv1d_fwd at 8192 tokens (both ~2-3x over their
-# bytes: what bounds them is not known), and ncu's source counters on gdn_chunk_state_wg (where its chunk goes).
+# A next device call (written in session 30, not run), on any card. carry [".wheels"], LIMIT = the seconds the
+# call may take. Whether the wgmma state pass (gdn-wg.patch, not on main) wins when a step prefills several
+# sequences (an admission wave: 8 x 1024 tokens), against main, by CUPTI; a mixed step's kernels (8 decodes + a
+# 256-token chunk: where its ~4 ms over the decode step go); then ncu on gdn_chunk_prep and conv1d_fwd at 8192
+# tokens (both ~2-3x over their bytes: what bounds them is not known), and ncu's source counters on
+# gdn_chunk_state_wg (where its chunk goes).
 . tools/device_call.sh
-c1_cell
-case "$GPU" in *H200*)
-  [ $SECONDS -lt $((LIMIT - 200)) ] && timeout 190 python3 tools/bench_mixed.py --launch /tmp/m4b --label cap256-split-h200 \
-    --inject-lens 4096,8192,16384 --qps 0.5,1 --duration 6 --baseline-s 2 --cooldown 1 --out-dir $OUT \
-    --server-args "--max-model-len 16400 --max-num-seqs 16 --max-num-batched-tokens 8192 --prefill-budget-with-decodes 256" \
-    2>&1 | grep -E "^\| cap|gate:|FAIL" | tail -8;;
-esac
 rm -rf /tmp/wg && mkdir /tmp/wg && tar --exclude=./.git --exclude=./.wheels -cf - . | tar -xf - -C /tmp/wg
 (cd /tmp/wg && patch -p1 -s < docs/benchmarks/session30-h100/gdn-wg.patch) || echo PATCH FAILED
 prof() {  # label, tree
   [ $SECONDS -lt $((LIMIT - 80)) ] || { echo "$1: skipped (time)"; return; }
-  (cd $2 && PYTHONPATH=$OLDPWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-$1 timeout 120 python3 tools/kernel_profile.py \
+  (cd $2 && PYTHONPATH=$OLDPWD/.gpu-site:$PWD timeout 120 python3 tools/kernel_profile.py \
     --prefill 1024 --prefill-seqs 8 --decode-batches "" --json $OUT/profile-8x1024-$1.json 2>&1 \
     | grep -E "^prefill|gdn_chunk" | sed "s/^/$1 /")
 }
 prof main . ; prof wg /tmp/wg
 [ $SECONDS -lt $((LIMIT - 80)) ] && timeout 100 python3 tools/kernel_profile.py --prefill "" --mixed 256 --mixed-decodes 8 \
   --decode-batches 8 --json $OUT/profile-mixed256.json 2>&1 | grep -E "^(mixed|decode)|gdn|conv|attn" | head -16
-(cd /tmp/wg && export PYTHONPATH=$PWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-wg && t gdn-wg tests/test_gpu_kernels.py -k "delta or state_saves")
+(cd /tmp/wg && export PYTHONPATH=$PWD/.gpu-site:$PWD && t gdn-wg tests/test_gpu_kernels.py -k "delta or state_saves")
 [ $SECONDS -lt $((LIMIT - 60)) ] && timeout $((LIMIT - SECONDS - 10)) ncu --clock-control none -k regex:gdn_chunk_prep \
   --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_kernels as bk
@@ -34,7 +26,7 @@ bk.prefill_times([8192], reps=1)" > $OUT/ncu-prep-8192.txt 2>&1; grep -E "Durati
   --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_kernels as bk
 bk.prefill_times([8192], reps=1)" > $OUT/ncu-conv-8192.txt 2>&1; grep -E "Duration|Issued Warp|Eligible Warps|DRAM Throughput" $OUT/ncu-conv-8192.txt | head -6
-[ $SECONDS -lt $((LIMIT - 60)) ] && (cd /tmp/wg && PYTHONPATH=$PWD/.gpu-site:$PWD QWEN35_KERNEL_CACHE=/tmp/kc-wg \
+[ $SECONDS -lt $((LIMIT - 60)) ] && (cd /tmp/wg && PYTHONPATH=$PWD/.gpu-site:$PWD \
   timeout $((LIMIT - SECONDS - 15)) ncu --clock-control none -k regex:gdn_chunk_state_wg --launch-count 1 \
   --section SourceCounters --section WarpStateStats --page source --print-source sass --csv python3 -c "import sys
 sys.path.insert(0, 'tools'); import bench_kernels as bk; bk.prefill_times([1024], reps=1)" > $OUT/ncu-wg-src.csv 2>&1
