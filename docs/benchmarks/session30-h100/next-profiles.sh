@@ -3,8 +3,8 @@
 # call may take. Whether the wgmma state pass (gdn-wg.patch, not on main) wins when a step prefills several
 # sequences (an admission wave: 8 x 1024 tokens), against main, by CUPTI; a mixed step's kernels (8 decodes + a
 # 256-token chunk: where its ~4 ms over the decode step go); then ncu on gdn_chunk_prep and conv1d_fwd at 8192
-# tokens (both ~2-3x over their bytes: what bounds them is not known), and ncu's source counters on
-# gdn_chunk_state_wg (where its chunk goes).
+# tokens (both ~2-3x over their bytes: what bounds them is not known), conv-prefetch.patch's conv1d_fwd against
+# main's, and ncu's source counters on gdn_chunk_state_wg (where its chunk goes).
 . tools/device_call.sh
 rm -rf /tmp/wg && mkdir /tmp/wg && tar --exclude=./.git --exclude=./.wheels -cf - . | tar -xf - -C /tmp/wg
 (cd /tmp/wg && patch -p1 -s < docs/benchmarks/session30-h100/gdn-wg.patch) || echo PATCH FAILED
@@ -15,6 +15,14 @@ prof() {  # label, tree
     | grep -E "^prefill|gdn_chunk" | sed "s/^/$1 /")
 }
 prof main . ; prof wg /tmp/wg
+# conv-prefetch.patch: conv1d_fwd issues the next rows' loads before this group's math (bit-identical; 123
+# registers, 4 blocks an SM as before): its GPU tests, then its time against main's at 1024 and 8192 tokens
+rm -rf /tmp/cv && mkdir /tmp/cv && tar --exclude=./.git --exclude=./.wheels -cf - . | tar -xf - -C /tmp/cv
+(cd /tmp/cv && patch -p1 -s < docs/benchmarks/session30-h100/conv-prefetch.patch) || echo PATCH FAILED
+(cd /tmp/cv && export PYTHONPATH=$PWD/.gpu-site:$PWD && t conv tests/test_gpu_kernels.py -k conv)
+for tree in . /tmp/cv; do [ $SECONDS -lt $((LIMIT - 80)) ] && (cd $tree && PYTHONPATH=$OLDPWD/.gpu-site:$PWD timeout 90 \
+  python3 tools/kernel_profile.py --prefill 1024,8192 --decode-batches "" --json $OUT/profile-conv-$(basename $tree).json \
+  2>&1 | grep -E "^prefill|conv1d" | sed "s|^|$tree |"); done
 [ $SECONDS -lt $((LIMIT - 80)) ] && timeout 100 python3 tools/kernel_profile.py --prefill "" --mixed 256 --mixed-decodes 8 \
   --decode-batches 8 --json $OUT/profile-mixed256.json 2>&1 | grep -E "^(mixed|decode)|gdn|conv|attn" | head -16
 (cd /tmp/wg && export PYTHONPATH=$PWD/.gpu-site:$PWD && t gdn-wg tests/test_gpu_kernels.py -k "delta or state_saves")
