@@ -1,13 +1,14 @@
 #!/bin/bash
 # A next device call (written in session 30, not run), on any card. carry [".wheels"], LIMIT = the seconds the
 # call may take. Patches over main, each in its own copy of the tree: gdn-wg.patch (the wgmma state pass, run in
-# session 30), gdn-wg-producer.patch (the same with a producer warpgroup; compiled, never run), conv-prefetch.patch
+# session 30), gdn-wg-producer.patch (the same with a producer warpgroup; compiled, never run; and with the
+# one-pass products and no S lo tile, -onepass: timed only, its criterion is the HF gate), conv-prefetch.patch
 # (conv1d_fwd's next rows loaded before the current rows' math; compiled, never run). The new patches' GPU tests,
 # then CUPTI profiles against main: a step of 8 x 1024-token prompts (an admission wave) and single 1024 and 8192
 # prompts; a mixed step's kernels (8 decodes + a 256-token chunk); ncu on gdn_chunk_prep and conv1d_fwd at 8192
 # tokens (both ~2-3x over their bytes, unexplained) and on gdn_chunk_state_wg's source lines.
 . tools/device_call.sh
-for v in wg wg-producer; do  # main + the patch, in /tmp/<v>
+for v in wg wg-producer wg-producer-onepass; do  # main + the patch, in /tmp/<v>
   rm -rf /tmp/$v && mkdir /tmp/$v && tar --exclude=./.git --exclude=./.wheels -cf - . | tar -xf - -C /tmp/$v
   (cd /tmp/$v && patch -p1 -s < docs/benchmarks/session30-h100/gdn-$v.patch) || echo PATCH FAILED $v
 done
@@ -23,6 +24,7 @@ prof() {  # label, tree, prompts per step, lengths
 }
 prof main . 8 1024; prof wg /tmp/wg 8 1024; prof wgp /tmp/wg-producer 8 1024
 prof main . 1 1024,8192; prof wgp /tmp/wg-producer 1 1024,8192; prof cv /tmp/cv 1 1024,8192
+prof wgp1 /tmp/wg-producer-onepass 8 1024; prof wgp1 /tmp/wg-producer-onepass 1 1024,8192
 [ $SECONDS -lt $((LIMIT - 80)) ] && timeout 100 python3 tools/kernel_profile.py --prefill "" --mixed 256 --mixed-decodes 8 \
   --decode-batches 8 --json $OUT/profile-mixed256.json 2>&1 | grep -E "^(mixed|decode)|gdn|conv|attn" | head -16
 [ $SECONDS -lt $((LIMIT - 60)) ] && timeout $((LIMIT - SECONDS - 10)) ncu --clock-control none -k regex:gdn_chunk_prep \
