@@ -93,6 +93,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=25, help="kernels listed per scenario")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.prefill_seqs < 1:
+        ap.error("--prefill-seqs must be at least 1")
     lengths = [int(x) for x in a.prefill.split(",") if x]
     batches = [int(x) for x in a.decode_batches.split(",") if x]
     mixed = [int(x) for x in a.mixed.split(",") if x]
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
     K = a.verify_k
     need = -(-(a.ctx + 1 + K) // BS)
     pre = -(-max(lengths + mixed, default=0) // BS)
-    n_pre = max(1, a.prefill_seqs)
+    n_pre = a.prefill_seqs
     # slot 0 / page 0: the graphs' dummies; log sets 0..nmax - 1 the verifies', nmax the padding's
     cache = model.alloc_cache(nmax + 1 + n_pre, 1 + nmax * need + n_pre * pre, BS, nmax + 1 if K else 0, K)
     rng = np.random.default_rng(0)

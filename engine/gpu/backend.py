@@ -131,8 +131,8 @@ class CudaBackend:
         # as every kernel runs on the one current stream, in order
         self._gemv_count = cupy.zeros(1, cupy.uint32)
         self._argmax_count = cupy.zeros(ARGMAX_SPLIT_ROWS, cupy.uint32)  # argmax_finite's, per split row; likewise
-        # attn_prefill's wave and split-key workspace per (hd, nkv): prefill_wave()
-        self._pf_parts: dict[tuple, tuple] = {}
+        # attn_prefill's wave and split-key workspace per (hd, nkv): _pf_parts()
+        self._pf_work: dict[tuple, tuple] = {}
         # The cublasLt workspace now, not at the first GEMM of more than GEMV_MAX_M rows (which may come
         # long after start-up): device memory in use is then flat from the first request on.
         get_gemm()
@@ -617,14 +617,14 @@ class CudaBackend:
         n_dec = T  # tokens 0 .. n_dec - 1 go to attn_fwd
         if (causal and not window and meta.max_new > 1 and self.kernels.arch == kernels.SM90A
                 and hd in kernels.PREFILL_HD and bs & (bs - 1) == 0):
-            key = (G, self.prefill_wave(hd, nkv))  # the parts' workspace slots are the wave's of (hd, nkv)
+            wave, part_o, part_ml, counters = self._pf_parts(hd, nkv)
+            key = (G, wave)  # the parts' workspace slots are the wave's of (hd, nkv)
             if meta.prefill_tiles is None or meta.prefill_tiles[0] != key:
-                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec, key[1])
+                tiles, n_pf_dec = prefill_tiles(meta.step, G, meta.n_rec, wave)
                 meta.prefill_tiles = (key, None if tiles is None else cupy.asarray(tiles), n_pf_dec)
             _, tiles, n_pf_dec = meta.prefill_tiles
             if tiles is not None:
                 n_dec = n_pf_dec
-                _, part_o, part_ml, counters = self._pf_parts.get((hd, nkv), (0, NULL, NULL, NULL))  # (none: no split)
                 self._fn("attention_prefill.cu", f"attn_prefill<{hd}>", _pf_smem(hd))(
                     (nkv, tiles.shape[0]), (256,),
                     (q, gate, i64(sg_t), i64(sg_h), k_cache, v_cache, bt, i32(bt.shape[1]), tiles, meta.positions,
@@ -654,16 +654,22 @@ class CudaBackend:
         """attn_prefill's tiles per KV head that run at once (prefill_tiles splits the keys of fewer tiles
         into parts up to that many; 0 in batch-invariant mode: a tile's split would follow the rest of the
         step). Makes the parts' workspace on first use: an eager call, before any graph capture."""
-        if self.batch_invariant or self.kernels.arch != kernels.SM90A or hd not in kernels.PREFILL_HD:
-            return 0
-        got = self._pf_parts.get((hd, nkv))
-        if got is None:  # (attention() asks every layer: computed once)
-            wave = self.num_sms * self.kernels.resident("attention_prefill.cu", f"attn_prefill<{hd}>", 256,
-                                                        _pf_smem(hd)) // nkv
+        return self._pf_parts(hd, nkv)[0]
+
+    def _pf_parts(self, hd: int, nkv: int) -> tuple:
+        """(wave, part_o, part_ml, counters): prefill_wave() and the split parts' workspace (NULLs when
+        nothing splits), made once per (hd, nkv) (attention() asks every layer)."""
+        got = self._pf_work.get((hd, nkv))
+        if got is None:
+            wave = 0
+            if not self.batch_invariant and self.kernels.arch == kernels.SM90A and hd in kernels.PREFILL_HD:
+                wave = self.num_sms * self.kernels.resident("attention_prefill.cu", f"attn_prefill<{hd}>", 256,
+                                                            _pf_smem(hd)) // nkv
             slots = wave * nkv
-            got = self._pf_parts[hd, nkv] = (wave, cupy.empty((slots, PF_ROWS, hd), cupy.float32),
-                                             cupy.empty((slots, PF_ROWS, 2), cupy.float32), cupy.zeros(slots, cupy.int32))
-        return got[0]
+            got = self._pf_work[hd, nkv] = (wave, cupy.empty((slots, PF_ROWS, hd), cupy.float32),
+                                            cupy.empty((slots, PF_ROWS, 2), cupy.float32),
+                                            cupy.zeros(slots, cupy.int32)) if wave else (0, NULL, NULL, NULL)
+        return got
 
     def _attn_split(self, meta: Meta, hd: int, G: int, nkv: int, n_dec: int):
         """attn_fwd's key split for the step's first n_dec rows: (keys per split, or 0 for even splits; number
