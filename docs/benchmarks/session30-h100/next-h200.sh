@@ -10,5 +10,6 @@ case "$GPU" in *H200*)
     --server-args "--max-model-len 16400 --max-num-seqs 16 --max-num-batched-tokens 8192 --prefill-budget-with-decodes 256" \
     2>&1 | grep -E "^\| cap|gate:|FAIL" | tail -8;;
 esac
+t attn tests/test_gpu_attention_prefill.py  # a53c2e1's refactor of attn_prefill's workspace lookup
 (cd $OUT && tar -czf texts.tgz $(ls | grep -v "\.json$") 2>/dev/null && find . -type f ! -name "*.json" ! -name texts.tgz -delete)
 echo t=$SECONDS

@@ -8,6 +8,9 @@
 # prompts; a mixed step's kernels (8 decodes + a 256-token chunk); ncu on gdn_chunk_prep and conv1d_fwd at 8192
 # tokens (both ~2-3x over their bytes, unexplained) and on gdn_chunk_state_wg's source lines.
 . tools/device_call.sh
+# a53c2e1 (attn_prefill's workspace lookup refactored after the last GPU run) on the GPU first
+t attn tests/test_gpu_attention_prefill.py
+t graph tests/test_gpu_decode_graph.py -k "mixed or bit_exact"
 for v in wg wg-producer wg-producer-onepass; do  # main + the patch, in /tmp/<v>
   rm -rf /tmp/$v && mkdir /tmp/$v && tar --exclude=./.git --exclude=./.wheels -cf - . | tar -xf - -C /tmp/$v
   (cd /tmp/$v && patch -p1 -s < docs/benchmarks/session30-h100/gdn-$v.patch) || echo PATCH FAILED $v
