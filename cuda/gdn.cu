@@ -19,6 +19,7 @@
 // token's inputs into registers (the slot and token range two tiles ahead), so an SM's state loads do not
 // stop while its blocks compute (with one tile per block they ran in lockstep phases: ~60% of copy at B = 32).
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define GDN_WARPS 4
 #define GDN_REC_BLOCKS 4  // resident blocks per SM (launch bounds; 2 state buffers of 16 KB each at DK 128)
@@ -748,6 +749,235 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(C
     cluster_sync();
 }
 
+// ---- gdn_chunk_state_wg: the state pass on warpgroup tensor cores (sm_90a, dk = 128) -------------------
+// gdn_chunk_state's math (bf16x3 products, the same hi | lo operands), per (64 state columns, head, sequence)
+// in one warpgroup, on wgmma: the state is held transposed, S^T [64 v columns, 128 k rows] f32, as two m64n64
+// accumulators (64 registers a thread), its bf16 hi half the A operand in registers of the products that read
+// it (FlashInfer's layout) and its lo half an A operand in shared memory (rewritten after each chunk's update:
+// both halves in registers would spill). Per chunk, with prep's W, P, U, aux:
+//   WS^T = S^T W^T, QS^T = S^T q^T                (B = W, q rows: K-major)
+//   v_new^T = U^T - WS^T (zero past the end);  o^T = sq QS^T + v_new^T P^T    (B = P rows: K-major)
+//   S^T = e^gam_last S^T + (sk v_new)^T k           (B = k rows, read MN-major)
+// where a product of two split operands is ah bh + al bh + ah bl and one with raw q or k (exact in bf16) ah b +
+// al b. A chunk's rows arrive by cp.async (zero past the end) into one of two stages, the next chunk's issued
+// as the current one starts; o^T is transposed through shared memory for coalesced stores. Half the blocks of
+// gdn_chunk_state, each ~1.16x its time a chunk: the host runs it where gdn_chunk_state's blocks would take
+// more than a wave of the SMs (several prompts in a step, or the 27B's 48 heads; backend _gdn_state_wg).
+#define GDN_WG_STAGE 99328  // bytes: W hi, W lo, q, k [64][128] bf16 swizzled (16 KB each), P hi, P lo [64][64], U [2][64][32] f32, aux [64][4]
+template <int DK>
+__global__ void __launch_bounds__(128, 1) gdn_chunk_state_wg(
+    const bf16_t* __restrict__ W, const float* __restrict__ U, const bf16_t* __restrict__ P,
+    const bf16_t* __restrict__ qkv, long long sq, const float* __restrict__ aux, float* state,
+    const int* __restrict__ cu, const int* __restrict__ slots, const int* __restrict__ save_at,
+    const int* __restrict__ save_rows, bf16_t* __restrict__ out, int T, int nk, int nv)
+{
+    pdl_enter();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(DK == 128, "two 64-column blocks of k per row");
+    constexpr int DV = 128;  // (the launcher checks dv: a constant stride keeps the state's addresses immediates)
+    constexpr int RW = (2 * DK + 8) * 2, RP = (2 * GDN_C + 8) * 2;  // prep's padded hi | lo rows, bytes
+    // stage offsets: W hi, W lo, q, k, P hi, P lo (swizzled tiles), U, aux
+    constexpr int OWH = 0, OWL = 16384, OQ = 32768, OK = 49152, OPH = 65536, OPL = 73728, OU = 81920, OA = 98304;
+    extern __shared__ __align__(16) unsigned char wg_smem[];
+    const unsigned s0 = (smem_addr(wg_smem) + 1023) & ~1023u;
+    unsigned char* base = wg_smem + (s0 - smem_addr(wg_smem));
+    bf16_t* sO = reinterpret_cast<bf16_t*>(base + 2 * GDN_WG_STAGE);  // o [64 tokens][64 columns]
+    const unsigned sSL = s0 + 2 * GDN_WG_STAGE + 8192;  // S^T lo [64][128] bf16, swizzled
+
+    const int tid = threadIdx.x, lane = tid & 31, w4 = tid >> 5, g8 = lane >> 2, c2 = 2 * (lane & 3);
+    const int col0 = blockIdx.x * 64, h = blockIdx.y, seq = blockIdx.z;
+    const int t_beg = cu[seq], t_end = cu[seq + 1], n_chunks = (t_end - t_beg + GDN_C - 1) / GDN_C;
+    const long long qoff = (long long)(h / (nv / nk)) * DK;
+
+    // one chunk's rows into its stage (16-byte pieces; rows at or past L zero-filled from row 0: an empty
+    // sequence's t0 may be T). A swizzled tile's piece p of row r: column block p / 8, chunk (p % 8) ^ (r % 8).
+    auto swz = [](int r, int p) { return (p >> 3) * (64 * 128) + r * 128 + (((p & 7) ^ (r & 7)) << 4); };
+    auto load = [&](int c) {  // (unrolled by 4: all of its addresses would be hoisted out of the chunk loop, spilling)
+        const int t0 = t_beg + c * GDN_C, L = min(GDN_C, t_end - t0);
+        const unsigned st = s0 + (c & 1) * GDN_WG_STAGE;
+#pragma unroll 4
+        for (int it = 0; it < 16; ++it) {  // W: 64 rows x 32 pieces (hi, then lo)
+            const int idx = tid + it * 128, r = idx >> 5, p = idx & 31;
+            const bool ok = r < L;
+            cp_async16(st + (p < 16 ? OWH : OWL) + swz(r, p & 15),
+                       reinterpret_cast<const char*>(W) + ((long long)h * T + (ok ? t0 + r : 0)) * RW + p * 16, ok ? 16 : 0);
+        }
+#pragma unroll 4
+        for (int it = 0; it < 8; ++it) {  // q, k: 64 rows x 16 pieces; P: 64 rows x 16 pieces (hi, then lo)
+            const int idx = tid + it * 128, r = idx >> 4, p = idx & 15;
+            const bool ok = r < L;
+            const long long t = ok ? t0 + r : 0;
+            const bf16_t* qrow = qkv + t * sq + qoff;
+            cp_async16(st + OQ + swz(r, p), qrow + p * 8, ok ? 16 : 0);
+            cp_async16(st + OK + swz(r, p), qrow + nk * DK + p * 8, ok ? 16 : 0);
+            cp_async16(st + (p < 8 ? OPH : OPL) + swz(r, p & 7),
+                       reinterpret_cast<const char*>(P) + ((long long)h * T + t) * RP + p * 16, ok ? 16 : 0);
+        }
+#pragma unroll 4
+        for (int it = 0; it < 8; ++it) {  // U: this block's two 32-column tiles, 64 rows x 8 pieces each
+            const int idx = tid + it * 128, u = idx >> 9, r = (idx >> 3) & 63, p = idx & 7;
+            const bool ok = r < L;
+            cp_async16(st + OU + u * 8192 + r * 128 + p * 16,
+                       U + (((long long)h * (DV / 32) + col0 / 32 + u) * T + (ok ? t0 + r : 0)) * 32 + p * 4, ok ? 16 : 0);
+        }
+        if (tid < 64) {
+            const bool ok = tid < L;
+            cp_async16(st + OA + tid * 16, aux + ((long long)h * T + (ok ? t0 + tid : 0)) * 4, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    load(0);
+
+    // S^T: Sa[d][e] is S^T[row m][k column 64 d + n], m = 16 w4 + g8 + 8 ((e >> 1) & 1), n = 8 (e >> 2) + c2 +
+    // (e & 1): the m64n64 accumulator layout, its rows the state's v columns
+    float* S_g = state + ((long long)slots[seq] * nv + h) * DK * DV + col0;
+    float* S_save = state + ((long long)save_rows[seq] * nv + h) * DK * DV + col0;
+    const int save_end = t_beg + save_at[seq];
+    auto at = [&](int d, int e) {
+        return (64 * d + 8 * (e >> 2) + c2 + (e & 1)) * DV + 16 * w4 + g8 + 8 * ((e >> 1) & 1);
+    };
+    float Sa[2][32];
+#pragma unroll
+    for (int d = 0; d < 2; ++d)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) Sa[d][e] = S_g[at(d, e)];
+    // S^T's lo half into sSL: the pair (n, n + 1) of row m at column block d, chunk n / 8 (swizzled), word (n % 8) / 2
+    auto store_lo = [&]() {
+#pragma unroll
+        for (int d = 0; d < 2; ++d)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+                const int m = 16 * w4 + g8 + 8 * ((e >> 1) & 1), n = 8 * (e >> 2) + c2;
+                unsigned hi, lo;
+                split_bf16x2(Sa[d][e], Sa[d][e + 1], hi, lo);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sSL + d * (64 * 128) + m * 128 + (((n >> 3) ^ (m & 7)) << 4)
+                                                                 + (n & 7) * 2), "r"(lo) : "memory");
+            }
+    };
+    store_lo();
+
+    // K-major operands (W, q, P; S^T lo as an A operand) and MN-major ones (k)
+    const WgDesc dK_(s0, 16, 1024), dSL(sSL, 16, 1024), dMN(s0, 64 * 128, 1024);
+    for (int c = 0; c < n_chunks; ++c) {
+        const int t0 = t_beg + c * GDN_C, L = min(GDN_C, t_end - t0);
+        const unsigned so = (c & 1) * GDN_WG_STAGE;
+        const unsigned char* st = base + so;
+        cp_async_wait<0>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+        __syncthreads();  // the stage has landed everywhere; the other one (chunk c - 1's) is free
+        if (c + 1 < n_chunks) load(c + 1);
+
+        unsigned sh[8][4];  // S^T's bf16 hi half as A fragments, k16 step 4 d + kk over the k rows
+#pragma unroll
+        for (int d = 0; d < 2; ++d)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) sh[4 * d + kk][r] = pack_bf16x2(Sa[d][8 * kk + 2 * r], Sa[d][8 * kk + 2 * r + 1]);
+        float ws[32], qs[32];
+#pragma unroll
+        for (int e = 0; e < 32; ++e) ws[e] = qs[e] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            const unsigned k16 = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
+            wg_rs<0>(ws, sh[ks], dK_.at(so + OWH + k16));
+            wg_ss(ws, dSL.at(k16), dK_.at(so + OWH + k16), 1);
+            wg_rs<0>(ws, sh[ks], dK_.at(so + OWL + k16));
+            wg_rs<0>(qs, sh[ks], dK_.at(so + OQ + k16));
+            wg_ss(qs, dSL.at(k16), dK_.at(so + OQ + k16), 1);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_hold(ws);
+        wg_hold(qs);
+
+        // v_new^T = U^T - WS^T (zero past the end) as bf16 hi and lo A fragments over the chunk's tokens; o^T starts
+        // as sq QS^T, then += v_new^T P^T
+        const float* sU = reinterpret_cast<const float*>(st + OU);
+        const float* sA = reinterpret_cast<const float*>(st + OA);
+        unsigned vh[4][4], vl[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                float u[2];
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const int e = 8 * kk + 2 * r + x, m = 16 * w4 + g8 + 8 * (r & 1), t = 8 * (e >> 2) + c2 + x;
+                    u[x] = t < L ? sU[(m >> 5) * 2048 + t * 32 + (m & 31)] - ws[e] : 0.0f;
+                    qs[e] *= sA[t * 4 + 1];
+                }
+                split_bf16x2(u[0], u[1], vh[kk][r], vl[kk][r]);
+            }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            wg_rs<0>(qs, vh[kk], dK_.at(so + OPH + kk * 32));
+            wg_rs<0>(qs, vl[kk], dK_.at(so + OPH + kk * 32));
+            wg_rs<0>(qs, vh[kk], dK_.at(so + OPL + kk * 32));
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_hold(qs);
+        // S^T = e^gam_last S^T + (sk v_new)^T k, sk v_new split again from v_new's halves (hi + lo: v_new to
+        // ~2^-17, below the split's own rounding) in the same registers
+        const float decay = expf(sA[(L - 1) * 4]);
+#pragma unroll
+        for (int d = 0; d < 2; ++d)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) Sa[d][e] *= decay;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int t = 16 * kk + 8 * (r >> 1) + c2;  // the fragment's two tokens: t, t + 1
+                const float u0 = lo_bf(vh[kk][r]) + lo_bf(vl[kk][r]), u1 = hi_bf(vh[kk][r]) + hi_bf(vl[kk][r]);
+                split_bf16x2(sA[t * 4 + 2] * u0, sA[t * 4 + 6] * u1, vh[kk][r], vl[kk][r]);
+            }
+        wg_fence();
+#pragma unroll
+        for (int d = 0; d < 2; ++d)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                wg_rs<1>(Sa[d], vh[kk], dMN.at(so + OK + d * (64 * 128) + kk * 2048));
+                wg_rs<1>(Sa[d], vl[kk], dMN.at(so + OK + d * (64 * 128) + kk * 2048));
+            }
+        wg_commit();
+        wg_wait<0>();
+        wg_hold(Sa[0]);
+        wg_hold(Sa[1]);
+        store_lo();  // read by the next chunk's products after its barrier and proxy fence
+
+        // o^T -> sO [token][column], then coalesced 16-byte stores of the chunk's rows
+#pragma unroll
+        for (int e = 0; e < 32; ++e)
+            sO[(8 * (e >> 2) + c2 + (e & 1)) * 64 + 16 * w4 + g8 + 8 * ((e >> 1) & 1)] = f2bf(qs[e]);
+        __syncthreads();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+            const int idx = tid + it * 128, r = idx >> 3, p = idx & 7;
+            if (r < L)
+                *reinterpret_cast<uint4*>(out + ((long long)(t0 + r) * nv + h) * DV + col0 + p * 8) =
+                    reinterpret_cast<const uint4*>(sO + r * 64)[p];
+        }
+        if (save_at[seq] && t0 + L == save_end) {  // prefix caching: the state after this chunk to its snapshot row
+#pragma unroll
+            for (int d = 0; d < 2; ++d)
+#pragma unroll
+                for (int e = 0; e < 32; ++e) S_save[at(d, e)] = Sa[d][e];
+        }
+    }
+#pragma unroll
+    for (int d = 0; d < 2; ++d)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) S_g[at(d, e)] = Sa[d][e];
+    cp_async_wait<0>();  // an empty sequence's zero-filled first load
+#else
+    __trap();  // sm_90a only: elsewhere the backend runs gdn_chunk_state
+#endif
+}
+
 // Explicit instances for the offline nvcc build (CI's compile and spill check); NVRTC instantiates each
 // by name instead (engine/gpu/kernels.py INSTANCES, which tests/test_kernel_table.py holds equal).
 #ifndef __CUDACC_RTC__
@@ -764,4 +994,7 @@ __global__ void __launch_bounds__(32 * (GDN_STATE_WARPS + 1)) GDN_CLUSTER_DIMS(C
 GDN_CHUNK_INST(32)
 GDN_CHUNK_INST(64)
 GDN_CHUNK_INST(128)
+template __global__ void gdn_chunk_state_wg<128>(const bf16_t*, const float*, const bf16_t*, const bf16_t*, long long,
+                                                 const float*, float*, const int*, const int*, const int*,
+                                                 const int*, bf16_t*, int, int, int);
 #endif

@@ -198,11 +198,37 @@ def test_delta_rule(be, ref, lens, bases, nk, nv, dk, dv, cap=True):
     assert rel(be.to_host(S_dev), S_np) <= 2e-4
 
 
+def force_state_pass(be, monkeypatch, wg):
+    """Run the chunked GDN state pass as gdn_chunk_state_wg (wg) or gdn_chunk_state, whatever the step."""
+    if wg and be.kernels.arch != kernels.SM90A:
+        pytest.skip("gdn_chunk_state_wg is sm_90a code")
+    monkeypatch.setattr(be, "gdn_state_wg", wg)
+
+
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("nv", [32, 48], ids=["4b", "27b"])
 @pytest.mark.parametrize("lens", [[1000], [1, 64, 65, 300, 7], [129, 1, 1, 513]], ids=["1000", "ragged5", "ragged4"])
-def test_delta_rule_chunked_long(be, ref, lens):
-    """The chunked WY kernels at the 4B shape over many chunks: ragged batches, chunk-boundary
-    lengths, decode rows riding along, non-zero initial state."""
-    test_delta_rule(be, ref, lens, [0] * len(lens), 16, 32, 128, 128, cap=False)
+def test_delta_rule_chunked_long(be, ref, lens, nv, wg, monkeypatch):
+    """The chunked WY kernels at the 4B and 27B shapes over many chunks, on either state pass: ragged
+    batches, chunk-boundary lengths, decode rows riding along, non-zero initial state."""
+    force_state_pass(be, monkeypatch, wg)
+    test_delta_rule(be, ref, lens, [0] * len(lens), 16, nv, 128, 128, cap=False)
+
+
+@pytest.mark.parametrize("lens,nv,wg", [([1024], 32, False), ([1024, 1024], 32, True), ([1000, 10], 32, False),
+                                         ([8192], 32, False), ([1024] * 8, 32, True), ([1024], 48, True)])
+def test_state_pass_choice(be, lens, nv, wg, monkeypatch):
+    """gdn_chunk_state_wg takes the steps where gdn_chunk_state's blocks (4 per head and sequence, one per SM)
+    would run more than one wave of the SMs (132 here) for the longest sequence's time: several long
+    prompts, or one of the 27B's 48 heads; on sm_90a at dk = dv = 128 only, never in batch-invariant mode (a
+    sequence's numbers must not depend on its neighbours)."""
+    if be.num_sms < 128 or be.num_sms > 140:
+        pytest.skip("the cases are an H100's or H200's")
+    m = be.prepare(Step.build([([0] * n, 0, i, [0] * (n // 16 + 1)) for i, n in enumerate(lens)]), be_cache())
+    assert be._gdn_state_wg(m, nv, 128, 128) == (wg and be.kernels.arch == kernels.SM90A)
+    assert not be._gdn_state_wg(m, nv, 64, 64)
+    monkeypatch.setattr(be, "batch_invariant", True)
+    assert not be._gdn_state_wg(m, nv, 128, 128)
 
 
 def test_delta_rule_chunked_without_clusters(ref, monkeypatch, tmp_path):
@@ -458,10 +484,12 @@ def gdn_cfg(C, nv, dk, dv):
                                 lin_k_dim=dk, lin_v_dim=dv, num_kv_heads=1, head_dim=8))
 
 
-@pytest.mark.parametrize("nk,nv,dk,dv", [GDN_DIMS[0], GDN_DIMS[2]], ids=["tiny", "4b"])
-def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv):
-    """Step.save_at (prefix caching): conv1d_state_update and gdn_chunk_state also write the state after
-    r new tokens to a snapshot row, as the reference does; everything else is unchanged."""
+@pytest.mark.parametrize("nk,nv,dk,dv,wg", [(*GDN_DIMS[0], False), (*GDN_DIMS[2], False), (*GDN_DIMS[2], True)],
+                         ids=["tiny", "4b", "4b-wgmma"])
+def test_state_saves_inside_a_chunk(be, ref, nk, nv, dk, dv, wg, monkeypatch):
+    """Step.save_at (prefix caching): conv1d_state_update and the chunked state pass also write the state
+    after r new tokens to a snapshot row, as the reference does; everything else is unchanged."""
+    force_state_pass(be, monkeypatch, wg)
     rng = np.random.default_rng(11)
     lens = [1, 200, 130]
     step = make_step(rng, lens, [9, 0, 0], 64, 16, num_slots=6)

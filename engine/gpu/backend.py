@@ -36,6 +36,9 @@ LOGITS_ROWS = 100_000  # more output rows than any projection (max 2 * 17408): t
 GDN_REC_BLOCKS = kernels.define("gdn.cu", "GDN_REC_BLOCKS")  # resident gdn_recurrent blocks per SM
 GDN_C = kernels.define("gdn.cu", "GDN_C")  # tokens per chunk of the WY prefill form (config.GDN_CHUNK)
 GDN_STATE_WARPS = kernels.define("gdn.cu", "GDN_STATE_WARPS")
+GDN_WG_STAGE = kernels.define("gdn.cu", "GDN_WG_STAGE")  # gdn_chunk_state_wg's bytes per chunk stage
+# a block's time per chunk of the two chunked GDN state passes (CudaBackend._gdn_state_wg; bench_gdn_state.py)
+GDN_CHUNK_US, GDN_WG_CHUNK_US = 3.7, 4.3
 GDN_LOG_PAD = kernels.define("gdn.cu", "GDN_LOG_PAD")  # a tile's log entry: dk + GDN_LOG_PAD floats
 ATTN_MIN_SPLIT_KEYS = kernels.define("attention.cu", "ATTN_MIN_SPLIT_KEYS")  # attn_fwd's smallest key split
 # attn_combine's launch: a block per (row, ATTN_COMBINE_DIMS dims), of ATTN_COMBINE_THREADS threads
@@ -115,6 +118,7 @@ class CudaBackend:
     name = "cuda"
     decode_graphs = True
     needs_warm_up = True  # GEMM plans, CuPy's own kernels and the memory pool are made at first use
+    gdn_state_wg: bool | None = None  # tests and benchmarks force one chunked GDN state pass (_gdn_state_wg)
 
     def __init__(self, poison: bool = False, batch_invariant: bool = False):
         self.poison = poison  # tests: fill every fresh output with NaN so unwritten elements show
@@ -528,19 +532,39 @@ class CudaBackend:
         self._fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, aux,
               i32(T), i32(nk), i32(nv), i32(dv)), shared_mem=smem)
+        hopper = self.kernels.arch == kernels.SM90A
+        if self._gdn_state_wg(meta, nv, dk, dv):  # a warpgroup per 64 state columns (gdn.cu)
+            smem = 2 * GDN_WG_STAGE + C * 64 * 2 + 64 * dk * 2 + 1024  # two stages, o's transpose, S^T lo, alignment
+            self._fn("gdn.cu", f"gdn_chunk_state_wg<{dk}>", smem)((dv // 64, nv, meta.B - nd), (128,),
+                (W, U, P, qkv, _rs(qkv), aux, state, cu, slots, save_at, save_rows, out, i32(T), i32(nk), i32(nv)),
+                shared_mem=smem)
+            return out
         # S, v_new, sk v_new (padded bf16 hi | lo rows), the stages of W, q, k, P, U, aux (GDN_STAGES: two on
         # sm_90a, else one), 4 mbarriers (gdn.cu); on sm_90a the state tiles run in clusters that share their
         # loads, of a size that divides them
-        hopper = self.kernels.arch == kernels.SM90A
         rs = (2 * 32 + 8) * 2
         stage = C * ((2 * dk + 8) * 2 + 2 * (dk + 8) * 2 + (2 * C + 8) * 2 + 32 * 4 + 16)
         smem = dk * rs + 2 * C * rs + (2 if hopper else 1) * stage + 32
-        tiles = dv // 32
-        cl = max(c for c in kernels.GDN_CLUSTERS if tiles % c == 0) if hopper else 1
-        self._fn("gdn.cu", f"gdn_chunk_state<{dk}, {cl}>", smem)((tiles, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
+        cl = max(c for c in kernels.GDN_CLUSTERS if dv // 32 % c == 0) if hopper else 1
+        self._fn("gdn.cu", f"gdn_chunk_state<{dk}, {cl}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
             (W, U, P, qkv, _rs(qkv), aux, state, cu, slots, save_at, save_rows, out, i32(T), i32(nk), i32(nv),
              i32(dv)), shared_mem=smem)
         return out
+
+    def _gdn_state_wg(self, meta, nv, dk, dv):
+        """Whether the chunked state pass runs as gdn_chunk_state_wg (sm_90a, dk = dv = 128) rather than
+        gdn_chunk_state: the one with less time per SM by a fluid model of its blocks (one block per SM for
+        both, sequences' chunks walked in order). gdn_chunk_state's blocks take 32 columns of a head's state a
+        chunk in ~3.7 us, gdn_chunk_state_wg's 64 in ~4.3 (H100, 4B shapes): one sequence of the 4B's 32 heads
+        fills the SMs with the first and half of them with the second; several fill both. Batch-invariant
+        mode keeps gdn_chunk_state: the choice depends on the step's other sequences, and the numbers on it."""
+        if self.kernels.arch != kernels.SM90A or not dk == dv == kernels.GDN_WG_D or self.batch_invariant:
+            return False
+        if self.gdn_state_wg is not None:
+            return self.gdn_state_wg
+        chunks = -(-np.diff(meta.step.cu_seqlens[meta.n_rec:]) // GDN_C)
+        longest, per_sm = int(chunks.max()), int(chunks.sum()) * nv * dv / self.num_sms
+        return GDN_WG_CHUNK_US * max(longest, per_sm / 64) < GDN_CHUNK_US * max(longest, per_sm / 32)
 
     def gated_rms_norm(self, o, z, w, eps):
         dv = w.shape[0]

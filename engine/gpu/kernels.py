@@ -40,6 +40,7 @@ CUDA_DIR = _WHEEL_CUDA_DIR if _WHEEL_CUDA_DIR.is_dir() else Path(__file__).resol
 OPTIONS = ("-std=c++17",)
 
 GDN_DK = (32, 64, 128)
+GDN_WG_D = 128  # gdn_chunk_state_wg's dk = dv (its static_assert): every Qwen3.5 size
 ATTN_HD = (64, 128, 256)
 ATTN_G = (1, 2, 3, 4, 6, 8)
 PREFILL_HD = (64, 128, 256)
@@ -71,7 +72,7 @@ def _gemv_names(variants) -> list[str]:
 
 INSTANCES = {
     "gdn.cu": ([f"{k}<{d}>" for k in ("gdn_recurrent", "gdn_chunk_prep") for d in GDN_DK]
-               + [f"gdn_chunk_state<{d}, {c}>" for d in GDN_DK for c in GDN_CLUSTERS]),
+               + [f"gdn_chunk_state<{d}, {c}>" for d in GDN_DK for c in GDN_CLUSTERS] + [f"gdn_chunk_state_wg<{GDN_WG_D}>"]),
     "attention.cu": [f"attn_fwd<{h}, {g}>" for h in ATTN_HD for g in ATTN_G],
     "attention_prefill.cu": [f"attn_prefill<{h}>" for h in PREFILL_HD],
     "gemv.cu": _gemv_names(GEMV_VARIANTS) + ["gemm_inv<0>", "gemm_inv<1>"],
@@ -105,7 +106,8 @@ def needed(cfg, batch_invariant: bool) -> list[tuple[str, str | None]]:
     gemv = [v for v in GEMV_VARIANTS if batch_invariant or v not in GEMV_INVARIANT_ONLY]
     want = {
         "gdn.cu": ([f"{k}<{cfg.lin_k_dim}>" for k in ("gdn_recurrent", "gdn_chunk_prep")]
-                   + [f"gdn_chunk_state<{cfg.lin_k_dim}, {c}>" for c in GDN_CLUSTERS]),
+                   + [f"gdn_chunk_state<{cfg.lin_k_dim}, {c}>" for c in GDN_CLUSTERS]
+                   + ([f"gdn_chunk_state_wg<{GDN_WG_D}>"] if cfg.lin_k_dim == cfg.lin_v_dim == GDN_WG_D else [])),
         "attention.cu": [f"attn_fwd<{cfg.head_dim}, {G}>"],
         "attention_prefill.cu": [f"attn_prefill<{cfg.head_dim}>"] if cfg.head_dim in PREFILL_HD else [],
         "gemv.cu": _gemv_names(gemv) + (["gemm_inv<0>", "gemm_inv<1>"]
