@@ -118,15 +118,21 @@ __global__ void __launch_bounds__(CONV_THREADS) conv1d_fwd(
     conv_weights<K>(wv, w, c);
     const int b0 = tok_seq[t0];
     conv_window<K>(win, x, sx, conv_old<K>(state, log, slots, spec_logs, replay, K1, b0, C), cu[b0], t0 - cu[b0], C, c);
-    if (b0 == tok_seq[t1 - 1]) {  // the tile lies in one sequence (the usual case): rows CONV_BATCH at a time
+    if (b0 == tok_seq[t1 - 1]) {  // the tile lies in one sequence (the usual case): rows CONV_BATCH at a time,
+        // the next group's loads issued before this group's tokens, so the loads stay in flight during the math
+        uint4 xr[CONV_BATCH], xn[CONV_BATCH];
+#pragma unroll
+        for (int u = 0; u < CONV_BATCH; ++u)
+            if (t0 + u < t1) xr[u] = *reinterpret_cast<const uint4*>(x + (long long)(t0 + u) * sx + c);
         for (int tg = t0; tg < t1; tg += CONV_BATCH) {
-            uint4 xr[CONV_BATCH];
 #pragma unroll
             for (int u = 0; u < CONV_BATCH; ++u)
-                if (tg + u < t1) xr[u] = *reinterpret_cast<const uint4*>(x + (long long)(tg + u) * sx + c);
+                if (tg + CONV_BATCH + u < t1) xn[u] = *reinterpret_cast<const uint4*>(x + (long long)(tg + CONV_BATCH + u) * sx + c);
 #pragma unroll
             for (int u = 0; u < CONV_BATCH; ++u)
                 if (tg + u < t1) conv_token<K>(win, wv, xr[u], out + (long long)(tg + u) * C + c);
+#pragma unroll
+            for (int u = 0; u < CONV_BATCH; ++u) xr[u] = xn[u];
         }
     } else {
         for (int t = t0; t < t1; ++t) {
