@@ -546,7 +546,8 @@ class CudaBackend:
         stage = C * ((2 * dk + 8) * 2 + 2 * (dk + 8) * 2 + (2 * C + 8) * 2 + 32 * 4 + 16)
         smem = dk * rs + 2 * C * rs + (2 if hopper else 1) * stage + 32
         cl = max(c for c in kernels.GDN_CLUSTERS if dv // 32 % c == 0) if hopper else 1
-        self._fn("gdn.cu", f"gdn_chunk_state<{dk}, {cl}>", smem)((dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
+        self._fn("gdn.cu", f"gdn_chunk_state<{dk}, {cl}>", smem)(
+            (dv // 32, nv, meta.B - nd), (32 * GDN_STATE_WARPS + 32,),
             (W, U, P, qkv, _rs(qkv), aux, state, cu, slots, save_at, save_rows, out, i32(T), i32(nk), i32(nv),
              i32(dv)), shared_mem=smem)
         return out
