@@ -112,6 +112,8 @@ class Meta:
     # the first GDN layer (~2 us of host per CuPy view). Views only, never a buffer: a Meta may serve several
     # forwards under different memory pools (DecodeGraphs.capture)
     chunked: tuple | None = None
+    # (the most chunks of one of those sequences, their chunks in all): _gdn_state_wg's inputs, on first use
+    gdn_chunks: tuple[int, int] | None = None
 
 
 class CudaBackend:
@@ -563,8 +565,10 @@ class CudaBackend:
             return False
         if self.gdn_state_wg is not None:
             return self.gdn_state_wg
-        chunks = -(-np.diff(meta.step.cu_seqlens[meta.n_rec:]) // GDN_C)
-        longest, per_sm = int(chunks.max()), int(chunks.sum()) * nv * dv / self.num_sms
+        if meta.gdn_chunks is None:  # ~20 us of NumPy calls: once a step, not once a layer
+            chunks = -(-np.diff(meta.step.cu_seqlens[meta.n_rec:]) // GDN_C)
+            meta.gdn_chunks = int(chunks.max()), int(chunks.sum())
+        longest, per_sm = meta.gdn_chunks[0], meta.gdn_chunks[1] * nv * dv / self.num_sms
         return GDN_WG_CHUNK_US * max(longest, per_sm / 64) < GDN_CHUNK_US * max(longest, per_sm / 32)
 
     def gated_rms_norm(self, o, z, w, eps):
