@@ -112,8 +112,8 @@ class Meta:
     # the first GDN layer (~2 us of host per CuPy view). Views only, never a buffer: a Meta may serve several
     # forwards under different memory pools (DecodeGraphs.capture)
     chunked: tuple | None = None
-    # (the most chunks of one of those sequences, their chunks in all): _gdn_state_wg's inputs, on first use
-    gdn_chunks: tuple[int, int] | None = None
+    # those sequences' chunks in all: _gdn_state_wg's input, on first use
+    gdn_chunks: int | None = None
 
 
 class CudaBackend:
@@ -534,7 +534,6 @@ class CudaBackend:
         self._fn("gdn.cu", f"gdn_chunk_prep<{dk}>", smem)((n_chunks, nv, meta.B - nd), (256,),
              (qkv, _rs(qkv), a, _rs(a), b, _rs(b), A_log, dt_bias, cu, W, U, P, aux,
               i32(T), i32(nk), i32(nv), i32(dv)), shared_mem=smem)
-        hopper = self.kernels.arch == kernels.SM90A
         if self._gdn_state_wg(meta, nv, dk, dv):  # a warpgroup per 64 state columns (gdn.cu)
             smem = 2 * GDN_WG_STAGE + C * 64 * 2 + 64 * dk * 2 + 1024  # two stages, o's transpose, S^T lo, alignment
             self._fn("gdn.cu", f"gdn_chunk_state_wg<{dk}>", smem)((dv // 64, nv, meta.B - nd), (128,),
@@ -544,6 +543,7 @@ class CudaBackend:
         # S, v_new, sk v_new (padded bf16 hi | lo rows), the stages of W, q, k, P, U, aux (GDN_STAGES: two on
         # sm_90a, else one), 4 mbarriers (gdn.cu); on sm_90a the state tiles run in clusters that share their
         # loads, of a size that divides them
+        hopper = self.kernels.arch == kernels.SM90A
         rs = (2 * 32 + 8) * 2
         stage = C * ((2 * dk + 8) * 2 + 2 * (dk + 8) * 2 + (2 * C + 8) * 2 + 32 * 4 + 16)
         smem = dk * rs + 2 * C * rs + (2 if hopper else 1) * stage + 32
@@ -566,9 +566,8 @@ class CudaBackend:
         if self.gdn_state_wg is not None:
             return self.gdn_state_wg
         if meta.gdn_chunks is None:  # ~20 us of NumPy calls: once a step, not once a layer
-            chunks = -(-np.diff(meta.step.cu_seqlens[meta.n_rec:]) // GDN_C)
-            meta.gdn_chunks = int(chunks.max()), int(chunks.sum())
-        longest, per_sm = meta.gdn_chunks[0], meta.gdn_chunks[1] * nv * dv / self.num_sms
+            meta.gdn_chunks = int((-(-np.diff(meta.step.cu_seqlens[meta.n_rec:]) // GDN_C)).sum())
+        longest, per_sm = -(-meta.max_new // GDN_C), meta.gdn_chunks * nv * dv / self.num_sms
         return GDN_WG_CHUNK_US * max(longest, per_sm / 64) < GDN_CHUNK_US * max(longest, per_sm / 32)
 
     def gated_rms_norm(self, o, z, w, eps):

@@ -1,7 +1,7 @@
 #!/bin/bash
-# A next device call (written in session 30, carried over by session 31; not run), for an H200 only. carry [".wheels"], LIMIT = the seconds
-# the call may take: issue 19's c1 cell (3 repetitions), then the mixed-load gate's six cells at cap 256 with the
-# split prefill attention (session 28's table is an H200's).
+# A next device call (session 30's, not run there or in session 31), for an H200 only. carry [".wheels"], LIMIT =
+# the seconds the call may take: issue 19's c1 cell (3 repetitions), the mixed-load gate's six cells at cap 256
+# with the split prefill attention (session 28's table is an H200's), then bench_gdn_state on the H200.
 . tools/device_call.sh
 c1_cell
 case "$GPU" in *H200*)
